@@ -1,0 +1,63 @@
+"""Step time of TokenWeightedTrainer vs stock transformers.Trainer, interleaved in one process.
+
+    python benchmarks/trainer_overhead.py [--rounds 5] [--steps 4]
+
+Both train the same Llama-style model (vocab 32000, hidden 256, 4 layers) on the same variable-length, prompt-masked
+data with bs=2, GA=4, fp32 on the CPU. This is a model whose forward consumes `num_items_in_batch`, the one case
+where the stock Trainer is already exact, so the comparison isolates hfacc's own cost: counting each window's
+targets, computing the loss outside the model and logging exactly. hfacc runs its plain-logits path here
+(`fused_loss=False`) so that the fused loss of benchmarks/throughput.py does not flatter it.
+Rounds alternate which trainer goes first; the printed ratio is median(hfacc step) / median(stock step).
+"""
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import StepTimer, bench_args, build_bench_examples, build_bench_model, median  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import Trainer  # noqa: E402
+
+from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer  # noqa: E402
+
+
+def run(kind, dataset, steps, tmp):
+    timer = StepTimer(warmup=1)
+    extra = {"args_class": TokenWeightedArguments, "fused_loss": False} if kind == "hfacc" else {}
+    args = bench_args(tmp, bs=2, ga=4, max_steps=steps + 1, **extra)
+    cls = TokenWeightedTrainer if kind == "hfacc" else Trainer
+    trainer = cls(
+        model=build_bench_model(),
+        args=args,
+        train_dataset=dataset,
+        data_collator=DataCollatorForCausalLM(pad_token_id=0),
+        callbacks=[timer],
+    )
+    trainer.train()
+    return timer.steps
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per trainer and round")
+    cli = parser.parse_args()
+    dataset = Dataset.from_list(build_bench_examples(8 * (cli.steps + 1)))
+    times = {"stock": [], "hfacc": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(cli.rounds):
+            order = ["stock", "hfacc"] if r % 2 == 0 else ["hfacc", "stock"]
+            for kind in order:
+                times[kind] += run(kind, dataset, cli.steps, tmp)
+            print(
+                f"round {r + 1}: stock {median(times['stock']):.3f} s/step, hfacc {median(times['hfacc']):.3f} s/step"
+            )
+    ratio = median(times["hfacc"]) / median(times["stock"])
+    print(f"\nstep time hfacc / stock Trainer = {ratio:.3f} (overhead {100 * (ratio - 1):+.1f} %; target <= +3 %)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""Collators: dynamic right padding for causal-LM batches, with the labels of padding set to -100."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .loss import IGNORE_INDEX
+
+
+@dataclass
+class DataCollatorForCausalLM:
+    """Pad a list of tokenized examples on the right to the longest one in the micro-batch.
+
+    Args:
+        pad_token_id: id written into ``input_ids`` at padding positions (the labels there are always -100, so
+            it may equal EOS without hiding the EOS targets of the examples).
+        pad_to_multiple_of: round the padded length up to a multiple of this (tensor cores like multiples of 8).
+        max_length: truncate longer examples to this many tokens (``None``: no truncation here).
+
+    Examples keep their ``labels``; an example without labels is trained on every token (``labels = input_ids``).
+
+    >>> collate = DataCollatorForCausalLM(pad_token_id=0)
+    >>> batch = collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9]}])
+    >>> batch["input_ids"]
+    tensor([[5, 6, 7],
+            [8, 9, 0]])
+    >>> batch["labels"]
+    tensor([[-100,    6,    7],
+            [   8,    9, -100]])
+    >>> batch["attention_mask"]
+    tensor([[1, 1, 1],
+            [1, 1, 0]])
+    """
+
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+    max_length: int | None = None
+
+    def __post_init__(self):
+        if self.pad_token_id is None:
+            raise ValueError("pad_token_id is None: set tokenizer.pad_token (hfacc.get_tokenizer does it for you).")
+        if self.pad_to_multiple_of is not None and self.pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be >= 1, got {self.pad_to_multiple_of}")
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        if not examples:
+            raise ValueError("Cannot collate an empty list of examples.")
+        ids = [list(e["input_ids"])[: self.max_length] for e in examples]
+        labels = [
+            list(e["labels"] if e.get("labels") is not None else e["input_ids"])[: self.max_length] for e in examples
+        ]
+        for i, (x, y) in enumerate(zip(ids, labels, strict=True)):
+            if len(x) != len(y):
+                raise ValueError(f"example {i} of the micro-batch: {len(x)} input_ids but {len(y)} labels")
+        length = max(len(x) for x in ids)
+        if self.pad_to_multiple_of:
+            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        batch = {
+            "input_ids": _pad(ids, length, self.pad_token_id),
+            "attention_mask": _pad([[1] * len(x) for x in ids], length, 0),
+            "labels": _pad(labels, length, IGNORE_INDEX),
+        }
+        if all(e.get("position_ids") is not None for e in examples):
+            batch["position_ids"] = _pad([list(e["position_ids"])[: self.max_length] for e in examples], length, 0)
+        return batch
+
+
+def _pad(rows: Sequence[Sequence[int]], length: int, value: int) -> torch.Tensor:
+    out = torch.full((len(rows), length), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return out

@@ -1,0 +1,384 @@
+"""What a *target* is for each kind of model head, and how to sum the loss over the targets of a micro-batch.
+
+An :class:`Objective` answers two questions, in this order:
+
+1. ``count(batch)`` — how many targets does this micro-batch hold? It is asked for every micro-batch of a window
+   *before* the first forward, because the window's total is the denominator of every micro-batch's loss and must be
+   known before the first ``backward()``.
+2. ``objective(model, batch)`` — run the model and return its outputs and the :class:`~hfacc.loss.LossSums`.
+
+hfacc never hands ``labels`` to the model (it would compute, and pay for, a second loss that is then thrown away),
+except for :class:`ModelLossObjective`, the explicit fallback for losses hfacc cannot reproduce.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .loss import (
+    IGNORE_INDEX,
+    LossSums,
+    binary_cross_entropy_sums,
+    count_targets,
+    cross_entropy_sums,
+    shift_labels,
+    squared_error_sums,
+)
+
+logger = logging.getLogger(__name__)
+
+# Batch keys that describe targets or hfacc's bookkeeping, never model inputs.
+NON_MODEL_KEYS = ("labels", "shift_labels")
+
+
+class Objective:
+    """Base class: subclass it to make a custom loss exact under accumulation.
+
+    Args:
+        label_smoothing: label smoothing factor of cross-entropy objectives.
+
+    Subclasses set ``name``, implement :meth:`count` and :meth:`__call__`, and set ``has_accuracy = False`` when
+    "correct" means nothing for them.
+
+    >>> class MeanAbsoluteError(Objective):
+    ...     name = "mae"
+    ...     has_accuracy = False
+    ...     def count(self, batch):
+    ...         n = batch["labels"].numel()
+    ...         return torch.tensor([n, batch["labels"].shape[0]])
+    ...     def __call__(self, model, batch, per_sequence=False):
+    ...         outputs = model(**model_inputs(batch))
+    ...         err = (get_logits(outputs).squeeze(-1) - batch["labels"]).abs()
+    ...         zeros = torch.zeros((), dtype=torch.long)
+    ...         return outputs, LossSums(err.sum(), torch.tensor(err.numel()), zeros)
+    """
+
+    name = "custom"
+    has_accuracy = True
+    exact = True
+
+    def __init__(self, label_smoothing: float = 0.0):
+        self.label_smoothing = label_smoothing
+
+    def count(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """``tensor([num_targets, num_sequences_with_a_target])`` of one micro-batch (int64)."""
+        raise NotImplementedError
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, Any], per_sequence: bool = False):
+        """Run ``model`` on ``batch``; return ``(outputs, LossSums)``."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class CausalLMObjective(Objective):
+    """Next-token prediction: ``logits[:, i]`` is scored against ``labels[:, i + 1]`` (labels != -100).
+
+    A batch may carry ``shift_labels`` (already aligned, e.g. from a padding-free collator); they are used as is.
+    """
+
+    name = "causal_lm"
+
+    def count(self, batch):
+        targets = self._targets(batch) != IGNORE_INDEX
+        return torch.stack([targets.sum(), targets.any(-1).sum()])
+
+    def __call__(self, model, batch, per_sequence=False):
+        outputs = model(**model_inputs(batch))
+        sums = cross_entropy_sums(
+            get_logits(outputs), self._targets(batch), label_smoothing=self.label_smoothing, per_sequence=per_sequence
+        )
+        return outputs, sums
+
+    @staticmethod
+    def _targets(batch):
+        if batch.get("shift_labels") is not None:
+            return batch["shift_labels"]
+        return shift_labels(batch["labels"])
+
+
+class TokenObjective(Objective):
+    """Aligned per-token labels: token classification, masked LM, and encoder-decoder (seq2seq) decoders.
+
+    Encoder-decoder models build their decoder inputs from the labels; hfacc does that itself with the model's
+    ``prepare_decoder_input_ids_from_labels`` so the model never sees the labels. A model without that method gets
+    the labels and computes a loss that is discarded (correct, a little slower).
+    """
+
+    name = "token"
+
+    def __init__(self, label_smoothing: float = 0.0, encoder_decoder: bool = False):
+        super().__init__(label_smoothing)
+        self.encoder_decoder = encoder_decoder
+
+    def count(self, batch):
+        targets = batch["labels"] != IGNORE_INDEX
+        return torch.stack([targets.sum(), targets.reshape(targets.shape[0], -1).any(-1).sum()])
+
+    def __call__(self, model, batch, per_sequence=False):
+        inputs = model_inputs(batch)
+        if (
+            self.encoder_decoder
+            and inputs.get("decoder_input_ids") is None
+            and inputs.get("decoder_inputs_embeds") is None
+        ):
+            prepare = getattr(get_base_model(model), "prepare_decoder_input_ids_from_labels", None)
+            if prepare is not None:
+                inputs["decoder_input_ids"] = prepare(labels=batch["labels"])
+            else:
+                inputs["labels"] = batch["labels"]
+        outputs = model(**inputs)
+        sums = cross_entropy_sums(
+            get_logits(outputs), batch["labels"], label_smoothing=self.label_smoothing, per_sequence=per_sequence
+        )
+        return outputs, sums
+
+
+class SequenceClassificationObjective(Objective):
+    """One class label per example (labels != -100); the target is the example."""
+
+    name = "sequence_classification"
+
+    def count(self, batch):
+        n = (batch["labels"] != IGNORE_INDEX).sum()
+        return torch.stack([n, n])
+
+    def __call__(self, model, batch, per_sequence=False):
+        outputs = model(**model_inputs(batch))
+        logits = get_logits(outputs)
+        labels = batch["labels"].reshape(-1)
+        sums = cross_entropy_sums(
+            logits.reshape(labels.shape[0], -1),
+            labels,
+            label_smoothing=self.label_smoothing,
+            per_sequence=per_sequence,
+        )
+        return outputs, sums
+
+
+class MultiLabelObjective(Objective):
+    """Independent binary labels ``[B, C]`` (BCE with logits); each (example, label) pair is a target."""
+
+    name = "multi_label"
+
+    def count(self, batch):
+        labels = batch["labels"]
+        return torch.tensor([labels.numel(), labels.shape[0]], device=labels.device)
+
+    def __call__(self, model, batch, per_sequence=False):
+        outputs = model(**model_inputs(batch))
+        return outputs, binary_cross_entropy_sums(get_logits(outputs), batch["labels"], per_sequence=per_sequence)
+
+
+class RegressionObjective(Objective):
+    """Float targets (MSE); each element of ``labels`` is a target."""
+
+    name = "regression"
+    has_accuracy = False
+
+    def count(self, batch):
+        labels = batch["labels"]
+        return torch.tensor([labels.numel(), labels.shape[0]], device=labels.device)
+
+    def __call__(self, model, batch, per_sequence=False):
+        outputs = model(**model_inputs(batch))
+        return outputs, squared_error_sums(get_logits(outputs), batch["labels"], per_sequence=per_sequence)
+
+
+class ModelLossObjective(Objective):
+    """Fallback for a loss hfacc cannot reproduce: the model computes its own (mean) loss from the labels.
+
+    Each micro-batch then counts as *one* target, so the window loss is the mean of the micro-batch means — exact
+    only when every micro-batch holds the same number of targets. Subclass :class:`Objective` to make it exact.
+    """
+
+    name = "model_loss"
+    has_accuracy = False
+    exact = False
+
+    def count(self, batch):
+        device = batch["labels"].device if torch.is_tensor(batch.get("labels")) else None
+        return torch.tensor([1, 1], device=device)
+
+    def __call__(self, model, batch, per_sequence=False):
+        outputs = model(**batch)
+        loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+        one = torch.ones((), dtype=torch.long, device=loss.device)
+        if per_sequence:
+            return outputs, LossSums(loss.reshape(1), one.reshape(1), (one * 0).reshape(1))
+        return outputs, LossSums(loss, one, one * 0)
+
+
+class FunctionObjective(Objective):
+    """An objective from two functions, for users who would rather not subclass.
+
+    Args:
+        count_fn: ``batch -> number of targets`` (an int or a 0-d tensor), called before any forward.
+        loss_fn: ``(outputs, batch) -> summed loss over those targets`` (a 0-d tensor).
+        forward_fn: ``(model, batch) -> outputs``; by default the model is called on the batch without its labels.
+
+    >>> objective = FunctionObjective(
+    ...     count_fn=lambda batch: (batch["labels"] != -100).sum(),
+    ...     loss_fn=lambda outputs, batch: torch.nn.functional.cross_entropy(
+    ...         outputs.logits.flatten(0, -2), batch["labels"].flatten(), reduction="sum"),
+    ... )
+    """
+
+    name = "function"
+    has_accuracy = False
+
+    def __init__(
+        self,
+        count_fn: Callable[[Mapping[str, Any]], Any],
+        loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
+        forward_fn: Callable[[nn.Module, Mapping[str, Any]], Any] | None = None,
+    ):
+        super().__init__()
+        self.count_fn, self.loss_fn, self.forward_fn = count_fn, loss_fn, forward_fn
+
+    def count(self, batch):
+        n = torch.as_tensor(self.count_fn(batch)).long().reshape(())
+        return torch.stack([n, (n > 0).long()])
+
+    def __call__(self, model, batch, per_sequence=False):
+        if per_sequence:
+            raise ValueError("FunctionObjective supports normalization 'token' and 'micro_batch', not 'sequence'")
+        outputs = self.forward_fn(model, batch) if self.forward_fn else model(**model_inputs(batch))
+        loss = self.loss_fn(outputs, batch)
+        count = torch.as_tensor(self.count_fn(batch), device=loss.device).long().reshape(())
+        return outputs, LossSums(loss, count, count * 0)
+
+
+OBJECTIVES = {
+    cls.name: cls
+    for cls in (
+        CausalLMObjective,
+        TokenObjective,
+        SequenceClassificationObjective,
+        MultiLabelObjective,
+        RegressionObjective,
+        ModelLossObjective,
+    )
+}
+
+
+def get_objective(
+    model: nn.Module, batch: Mapping[str, Any], name: str = "auto", label_smoothing: float = 0.0
+) -> Objective:
+    """Pick the objective of ``model`` for batches like ``batch``, or build the one named ``name``.
+
+    ``"auto"`` decides from the model class and the labels: ``*ForCausalLM`` (and decoder-only
+    ``*ForConditionalGeneration``) -> ``causal_lm``; encoder-decoder models, ``*ForTokenClassification`` and
+    ``*ForMaskedLM`` -> ``token``; ``*ForSequenceClassification`` -> by ``config.problem_type`` as transformers
+    decides it (1 label -> ``regression``, integer labels -> ``sequence_classification``, else ``multi_label``).
+    A plain ``nn.Module`` with integer labels of shape ``[B, T]`` is taken for a causal LM, with ``[B]`` for a
+    classifier; anything else falls back to ``model_loss``, which is said once in the log.
+    """
+    base = get_base_model(model)
+    config = getattr(base, "config", None)
+    is_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    if name != "auto":
+        if name not in OBJECTIVES:
+            raise ValueError(f"objective must be 'auto' or one of {sorted(OBJECTIVES)}, got {name!r}")
+        if name == "token":
+            return TokenObjective(label_smoothing, encoder_decoder=is_encoder_decoder)
+        return OBJECTIVES[name](label_smoothing)
+
+    labels = batch.get("labels")
+    if not torch.is_tensor(labels):
+        raise ValueError(
+            "The batch has no 'labels' tensor, so there is nothing to train on. Give each example a 'labels' field "
+            "(-100 where no loss is wanted), e.g. with hfacc.build_sft_dataset, or pass objective=... for a loss "
+            f"that needs no labels. Batch keys: {sorted(batch)}"
+        )
+    class_name = type(base).__name__
+    is_integer = not labels.is_floating_point()
+    if is_encoder_decoder or class_name.endswith(("ForTokenClassification", "ForMaskedLM")):
+        return TokenObjective(label_smoothing, encoder_decoder=is_encoder_decoder)
+    if class_name.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")):
+        return CausalLMObjective(label_smoothing)
+    if class_name.endswith("ForSequenceClassification"):
+        problem_type = getattr(config, "problem_type", None)
+        if problem_type is None:
+            num_labels = getattr(config, "num_labels", 2)
+            if num_labels == 1:
+                problem_type = "regression"
+            elif is_integer:
+                problem_type = "single_label_classification"
+            else:
+                problem_type = "multi_label_classification"
+        return {
+            "regression": RegressionObjective,
+            "single_label_classification": SequenceClassificationObjective,
+            "multi_label_classification": MultiLabelObjective,
+        }[problem_type](label_smoothing)
+    if is_integer and labels.dim() >= 2:
+        logger.info(
+            "hfacc: %s is not a transformers head; its integer labels of shape [batch, length] are taken as causal-LM "
+            "labels (position i predicts label i+1). Pass objective='token' if they are already aligned.",
+            class_name,
+        )
+        return CausalLMObjective(label_smoothing)
+    if is_integer and labels.dim() == 1:
+        return SequenceClassificationObjective(label_smoothing)
+    logger.warning(
+        "hfacc: cannot tell what the targets of %s are (labels %s of shape %s), so it trains on the model's own loss, "
+        "averaged over micro-batches. That is exact only when every micro-batch has the same number of targets. "
+        "Pass objective=<an hfacc.Objective> (or hfacc.FunctionObjective(count_fn, loss_fn)) to make it exact.",
+        class_name,
+        labels.dtype,
+        tuple(labels.shape),
+    )
+    return ModelLossObjective()
+
+
+def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``batch`` that go to the model: everything but the labels."""
+    return {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
+
+
+def get_logits(outputs: Any) -> torch.Tensor:
+    """The logits of a model output: a ``ModelOutput``/dict (``"logits"``), a tuple (first entry) or a tensor."""
+    if torch.is_tensor(outputs):
+        return outputs
+    if isinstance(outputs, Mapping):
+        if "logits" not in outputs:
+            raise ValueError(f"The model output has no 'logits'; it has {list(outputs)}. Return logits to train it.")
+        return outputs["logits"]
+    if isinstance(outputs, (tuple, list)) and outputs and torch.is_tensor(outputs[0]):
+        return outputs[0]
+    raise TypeError(f"Cannot find logits in a model output of type {type(outputs).__name__}")
+
+
+def get_base_model(model: nn.Module) -> nn.Module:
+    """``model`` without its DDP/FSDP/compile and PEFT wrappers: the module whose class says what its head is."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "_orig_mod"):  # torch.compile
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), nn.Module):  # DDP, DataParallel, DeepSpeed engine
+            model = model.module
+        elif hasattr(model, "get_base_model") and callable(model.get_base_model):  # peft.PeftModel
+            model = model.get_base_model()
+    return model
+
+
+__all__ = [
+    "Objective",
+    "CausalLMObjective",
+    "TokenObjective",
+    "SequenceClassificationObjective",
+    "MultiLabelObjective",
+    "RegressionObjective",
+    "ModelLossObjective",
+    "FunctionObjective",
+    "get_objective",
+    "count_targets",
+]

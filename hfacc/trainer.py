@@ -1,0 +1,420 @@
+"""``TokenWeightedTrainer``: a drop-in ``transformers.Trainer`` whose accumulated step equals one big batch.
+
+How it differs from the stock Trainer, hook by hook:
+
+- ``get_batch_samples`` (runs once per optimizer step, on the micro-batches of the window): counts the window's
+  targets with the objective and sums the count over all ranks in one collective. Stock Trainer counts only when
+  the model's forward takes ``**kwargs`` and only sums over ranks when ``average_tokens_across_devices``.
+- ``compute_loss``: runs the model *without* labels and computes the loss from the logits itself, as
+  ``S_j / N_window * P`` (see :func:`hfacc.loss.normalize_window_loss`). Stock Trainer relies on the model to
+  consume ``num_items_in_batch``; custom models, heads that ignore it and ``**kwargs`` that drop it all go wrong.
+- ``log`` / ``evaluation_loop``: replace the logged mean of micro-batch means with the token-weighted mean over
+  windows and ranks, and add token accuracy, target counts and target tokens per second.
+- A private callback checks every window before the optimizer step: a window without targets, or with a
+  non-finite loss or gradient, leaves the parameters untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any
+
+import torch
+from accelerate.utils import DistributedType
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from .loss import NORMALIZATIONS, LossSums, WindowCounts, normalize_window_loss
+from .objective import OBJECTIVES, ModelLossObjective, Objective, get_objective
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenWeightedArguments(TrainingArguments):
+    """``TrainingArguments`` plus hfacc's settings. A plain ``TrainingArguments`` gets these defaults."""
+
+    normalization: str = field(
+        default="token",
+        metadata={
+            "help": "How the window's loss is normalized: 'token' (every target token weighs the same; the big-batch "
+            "mean), 'sequence' (every sequence weighs the same), or 'micro_batch' (legacy mean of micro-batch means).",
+            "choices": list(NORMALIZATIONS),
+        },
+    )
+    objective: str = field(
+        default="auto",
+        metadata={
+            "help": "What a target is: 'auto' (from the model head and labels) or one of "
+            + ", ".join(sorted(OBJECTIVES))
+            + "."
+        },
+    )
+    skip_nonfinite_steps: bool = field(
+        default=True,
+        metadata={
+            "help": "Skip the optimizer step of a window whose loss or gradient is NaN/inf (the weights are never "
+            "updated with it) and log which micro-batch caused it. False lets the step through."
+        },
+    )
+    max_skipped_steps: int = field(
+        default=10,
+        metadata={"help": "Stop with an error after this many skipped non-finite steps (0: never stop)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        validate_settings(self)
+
+
+def validate_settings(args: Any) -> None:
+    """Check hfacc's settings on any arguments object; raise ``ValueError`` naming the field and the fix."""
+    normalization = getattr(args, "normalization", "token")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r} is not supported; use one of {list(NORMALIZATIONS)}.")
+    objective = getattr(args, "objective", "auto")
+    if objective != "auto" and objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r} is not supported; use 'auto' or one of {sorted(OBJECTIVES)}.")
+    if getattr(args, "max_skipped_steps", 0) < 0:
+        raise ValueError("max_skipped_steps must be >= 0 (0 never stops training).")
+    if args.gradient_accumulation_steps < 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: it must be >= 1 (1 = no accumulation)."
+        )
+    if args.per_device_train_batch_size < 1:
+        raise ValueError(f"per_device_train_batch_size={args.per_device_train_batch_size}: it must be >= 1.")
+
+
+def get_gradient_scale(distributed_type: DistributedType, num_processes: int) -> int:
+    """The factor P that cancels the data-parallel backend's gradient averaging.
+
+    DDP (any ``MULTI_*`` type), FSDP (v1 and v2) and DeepSpeed all *average* gradients over the P ranks. Each rank
+    backpropagates ``S_rank / N_global * P``, so the average is ``sum over ranks of S_rank / N_global``: the global
+    token mean. DeepSpeed must additionally not divide by the accumulation steps itself: transformers' Trainer
+    passes ``scale_wrt_gas=False`` to its backward. One process (or ``torch.nn.DataParallel``, which gathers the
+    outputs before the loss) needs no factor.
+    """
+    if distributed_type == DistributedType.MEGATRON_LM:
+        raise NotImplementedError("hfacc does not support Megatron-LM, which computes the loss inside its pipeline.")
+    if distributed_type == DistributedType.NO:
+        return 1
+    return num_processes
+
+
+class TokenWeightedTrainer(Trainer):
+    """A ``transformers.Trainer`` whose accumulated gradient equals the gradient of one big batch, exactly.
+
+    Per micro-batch j of a window (on every rank) it backpropagates ``S_j / N * P``: ``S_j`` the summed loss over
+    j's targets, ``N`` the targets of the whole window summed over all P ranks. After accumulation and the ranks'
+    gradient averaging, that is ``g = sum_j (n_j / N) g_j`` — the gradient of the mean loss over all N targets.
+    It holds for any model that returns logits (transformers heads, PEFT models, plain ``nn.Module``) whatever
+    ``average_tokens_across_devices`` says, since hfacc computes the loss itself.
+
+    Args:
+        objective: an :class:`hfacc.Objective` or its name; overrides ``args.objective``. Needed only for losses
+            hfacc cannot infer from the model head.
+        *args, **kwargs: as for ``transformers.Trainer``. ``args`` may be a plain ``TrainingArguments`` or a
+            :class:`TokenWeightedArguments`.
+
+    >>> trainer = TokenWeightedTrainer(model=model, args=TokenWeightedArguments(
+    ...     output_dir="out", per_device_train_batch_size=2, gradient_accumulation_steps=4),
+    ...     train_dataset=dataset, data_collator=DataCollatorForCausalLM(tokenizer))
+    >>> trainer.train()  # doctest: +SKIP
+    """
+
+    # `compute_loss` already divides by the whole window's target count: the Trainer must not divide by k again.
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args, objective: Objective | str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        validate_settings(self.args)
+        self.normalization = getattr(self.args, "normalization", "token")
+        self.skip_nonfinite_steps = getattr(self.args, "skip_nonfinite_steps", True)
+        self.max_skipped_steps = getattr(self.args, "max_skipped_steps", 10)
+        self._objective_setting = objective if objective is not None else getattr(self.args, "objective", "auto")
+        self.objective: Objective | None = self._objective_setting if isinstance(objective, Objective) else None
+        pc = getattr(self.accelerator, "parallelism_config", None)
+        if pc is not None and any(getattr(pc, f"{kind}_enabled", False) for kind in ("tp", "cp", "sp")):
+            raise NotImplementedError(
+                "hfacc counts targets per data-parallel rank; tensor, context and sequence parallelism are not "
+                "supported yet. Remove parallelism_config or use the stock Trainer."
+            )
+        # A plain nn.Module without a `labels` argument would have its labels column removed by the Trainer.
+        if not self.label_names:
+            self.label_names = ["labels"]
+        self.window: WindowCounts | None = None
+        self._window_left = 0
+        self.meter = LossMeter(self.args.device)
+        self.add_callback(_WindowGuard(self))
+
+    # ---- counting: once per window --------------------------------------------------------------------------
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
+        """Collect the window's micro-batches and count their targets over all ranks (one collective)."""
+        batch_samples = list(islice(epoch_iterator, num_batches))
+        self.window = self.count_window(batch_samples, device)
+        self._window_left = len(batch_samples)
+        self.meter.start_window()
+        return batch_samples, self.window.num_targets
+
+    def _get_num_items_in_batch(self, batch_samples, device):
+        # Replaces the stock count (and its cross-rank gather) wherever the Trainer asks for it, e.g. in
+        # `prediction_step`: hfacc computes its own counts and never hands `num_items_in_batch` to the model.
+        return None
+
+    def count_window(self, batch_samples: list[Mapping[str, Any]], device: torch.device) -> WindowCounts:
+        """:class:`WindowCounts` of ``batch_samples`` summed over all data-parallel ranks."""
+        counts = torch.zeros(2, dtype=torch.long, device=device)
+        for batch in batch_samples:
+            counts += self.get_objective(batch).count(batch).to(device)
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.reduce(counts, reduction="sum")
+        num_targets, num_sequences = counts.tolist()
+        return WindowCounts(num_targets, num_sequences, len(batch_samples))
+
+    def get_objective(self, batch: Mapping[str, Any]) -> Objective:
+        """The objective, resolved from the model and the first batch it sees."""
+        if self.objective is None:
+            self.objective = get_objective(
+                self.model, batch, name=self._objective_setting, label_smoothing=self.args.label_smoothing_factor
+            )
+            logger.info("hfacc: objective %s, normalization %r", self.objective, self.normalization)
+            if isinstance(self.objective, ModelLossObjective) and self.normalization != "micro_batch":
+                logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
+        return self.objective
+
+    # ---- the loss: once per micro-batch ---------------------------------------------------------------------
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """``S_j / N_window * P`` in training; the micro-batch's own mean in evaluation."""
+        objective = self.get_objective(inputs)
+        training = model.training
+        per_sequence = self.normalization == "sequence" or not training
+        outputs, sums = objective(model, inputs, per_sequence=per_sequence)
+        if training:
+            window = self._take_window_slot(inputs)
+            world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
+            loss = normalize_window_loss(sums, window, normalization=self.normalization, world_size=world)
+            self.meter.add_micro_batch(sums)
+        else:
+            loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
+            self.meter.add_eval(sums, self.accelerator)
+        return (loss, outputs) if return_outputs else loss
+
+    def _take_window_slot(self, inputs) -> WindowCounts:
+        if self._window_left <= 0:
+            # compute_loss called outside the Trainer's loop (e.g. a user's own `training_step` call): the
+            # micro-batch is a window of its own.
+            self.window = self.count_window([inputs], self.args.device)
+            self._window_left = 1
+            self.meter.start_window()
+        self._window_left -= 1
+        return self.window
+
+    # ---- what gets logged -----------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Replace the Trainer's mean of micro-batch means by the exact token-weighted values."""
+        if "loss" in logs:
+            logs.update(self.meter.interval_logs(self.accelerator, self._has_accuracy()))
+        if "train_loss" in logs:
+            logs.update(self.meter.run_logs(self.accelerator, self._has_accuracy()))
+        super().log(logs, start_time)
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
+        """The stock loop; its ``{prefix}_loss`` (a mean of batch means) becomes the token-weighted mean."""
+        self.meter.reset_eval()
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        totals = self.meter.eval_totals()
+        if totals is not None:
+            loss_sum, count, correct = totals
+            output.metrics[f"{metric_key_prefix}_loss"] = loss_sum / max(count, 1)
+            output.metrics[f"{metric_key_prefix}_num_targets"] = int(count)
+            if self._has_accuracy():
+                output.metrics[f"{metric_key_prefix}_token_accuracy"] = correct / max(count, 1)
+        return output
+
+    def train(self, *args, **kwargs):
+        output = super().train(*args, **kwargs)
+        # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
+        return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
+
+    def _has_accuracy(self) -> bool:
+        return self.objective is not None and self.objective.has_accuracy
+
+
+class LossMeter:
+    """Token-weighted loss/accuracy bookkeeping, on device between logs (no host sync per micro-batch).
+
+    A window's sums are *staged* until its optimizer step is taken; a skipped window never reaches the logs.
+    """
+
+    def __init__(self, device: torch.device):
+        # float64: sums over thousands of micro-batches must not lose the fp32 digits that make the log exact.
+        self.dtype = torch.float32 if torch.device(device).type == "mps" else torch.float64
+        self.device = device
+        self.reset_run()
+        self.reset_eval()
+        self.start_window()
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(2, dtype=self.dtype, device=self.device)  # [loss sum, correct]
+
+    def reset_run(self) -> None:
+        self.run, self.run_targets = self._zeros(), 0
+        self.interval, self.interval_targets = self._zeros(), 0
+        self.skipped_steps = self.empty_windows = 0
+        self.interval_start = time.perf_counter()
+
+    def start_window(self) -> None:
+        self.staged = self._zeros()
+        self.staged_losses: list[torch.Tensor] = []
+
+    def add_micro_batch(self, sums: LossSums) -> None:
+        loss = sums.loss.detach().sum()
+        self.staged_losses.append(loss)
+        self.staged += torch.stack([loss.to(self.dtype), sums.correct.sum().to(self.dtype)])
+
+    def commit_window(self, window: WindowCounts) -> None:
+        self.interval += self.staged
+        self.run += self.staged
+        self.interval_targets += window.num_targets
+        self.run_targets += window.num_targets
+        self.start_window()
+
+    def interval_logs(self, accelerator, with_accuracy: bool) -> dict[str, float]:
+        loss_sum, correct = _reduce(self.interval, accelerator).tolist()
+        now = time.perf_counter()
+        logs = {
+            "loss": loss_sum / self.interval_targets if self.interval_targets else float("nan"),
+            "num_targets": self.interval_targets,
+            "target_tokens_per_second": round(self.interval_targets / max(now - self.interval_start, 1e-9), 2),
+        }
+        if with_accuracy and self.interval_targets:
+            logs["token_accuracy"] = correct / self.interval_targets
+        if self.skipped_steps:
+            logs["skipped_steps"] = self.skipped_steps
+        self.interval, self.interval_targets, self.interval_start = self._zeros(), 0, now
+        return logs
+
+    def run_logs(self, accelerator, with_accuracy: bool) -> dict[str, float]:
+        loss_sum, correct = _reduce(self.run, accelerator).tolist()
+        logs = {"train_loss": loss_sum / self.run_targets if self.run_targets else float("nan")}
+        logs["train_num_targets"] = self.run_targets
+        if with_accuracy and self.run_targets:
+            logs["train_token_accuracy"] = correct / self.run_targets
+        logs["train_skipped_steps"] = self.skipped_steps
+        return logs
+
+    def reset_eval(self) -> None:
+        self.eval = torch.zeros(3, dtype=self.dtype, device=self.device)  # [loss sum, count, correct]
+        self.eval_seen = False
+
+    def add_eval(self, sums: LossSums, accelerator) -> None:
+        per_example = torch.stack([sums.loss.detach(), sums.count, sums.correct], dim=-1).to(self.dtype)
+        if accelerator.num_processes > 1:
+            # gather_for_metrics drops the samples the sampler repeated to even out the last batch across ranks.
+            per_example = accelerator.gather_for_metrics(per_example)
+        self.eval += per_example.reshape(-1, 3).sum(0)
+        self.eval_seen = True
+
+    def eval_totals(self) -> tuple[float, int, float] | None:
+        if not self.eval_seen:
+            return None
+        loss_sum, count, correct = self.eval.tolist()
+        return loss_sum, int(count), correct
+
+
+def _reduce(t: torch.Tensor, accelerator) -> torch.Tensor:
+    return accelerator.reduce(t.clone(), reduction="sum") if accelerator.num_processes > 1 else t
+
+
+class _WindowGuard(TrainerCallback):
+    """Before each optimizer step: decide whether the window may update the weights.
+
+    A window with zero targets on every rank has a zero gradient, but an optimizer step would still move the weights
+    (Adam's momentum, weight decay). A non-finite loss or gradient would poison them. Either way the gradients are
+    dropped, so ``optimizer.step()`` leaves every parameter as it was; the learning-rate schedule still advances.
+    """
+
+    def __init__(self, trainer: TokenWeightedTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.meter.reset_run()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        trainer, meter, window = self.trainer, self.trainer.meter, self.trainer.window
+        if window is None:
+            return
+        if window.num_targets == 0:
+            meter.empty_windows += 1
+            logger.warning(
+                "hfacc: step %d: no target in the whole window (every label is -100 on every rank); the step is "
+                "skipped and the weights are unchanged (%d such windows so far).",
+                state.global_step + 1,
+                meter.empty_windows,
+            )
+            _drop_gradients(trainer)
+            meter.start_window()
+            return
+        if trainer.skip_nonfinite_steps and not _window_is_finite(trainer, meter):
+            meter.skipped_steps += 1
+            culprits = [i for i, loss in enumerate(meter.staged_losses) if not torch.isfinite(loss)]
+            where = (
+                f"non-finite loss in micro-batch(es) {culprits} of {window.num_micro_batches} on rank "
+                f"{trainer.accelerator.process_index}"
+                if culprits
+                else "non-finite gradient (the loss was finite on this rank)"
+            )
+            logger.warning(
+                "hfacc: step %d skipped: %s. The weights were not updated (%d skipped so far).",
+                state.global_step + 1,
+                where,
+                meter.skipped_steps,
+            )
+            _drop_gradients(trainer)
+            meter.start_window()
+            if trainer.max_skipped_steps and meter.skipped_steps >= trainer.max_skipped_steps:
+                raise NonFiniteLossError(
+                    f"{meter.skipped_steps} optimizer steps had a non-finite loss or gradient (limit "
+                    f"max_skipped_steps={trainer.max_skipped_steps}); training stopped. The weights were never updated "
+                    "with NaN/inf. Lower the learning rate, check the data the log names, or use bf16 instead of fp16."
+                )
+            return
+        meter.commit_window(window)
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many optimizer steps had a non-finite loss or gradient."""
+
+
+def _window_is_finite(trainer: TokenWeightedTrainer, meter: LossMeter) -> bool:
+    grads = [p.grad for group in trainer.optimizer.param_groups for p in group["params"] if p.grad is not None]
+    total = meter.staged[0].float()
+    if grads:
+        total = total + torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False).float()
+    flag = torch.isfinite(total).to(torch.float32).reshape(1)
+    if trainer.accelerator.num_processes > 1:
+        # Sharded (FSDP) gradients differ per rank: every rank must take the same decision.
+        flag = trainer.accelerator.reduce(flag, reduction="sum") / trainer.accelerator.num_processes
+    return math.isclose(flag.item(), 1.0)
+
+
+def _drop_gradients(trainer: TokenWeightedTrainer) -> None:
+    if trainer.accelerator.distributed_type == DistributedType.DEEPSPEED:
+        logger.warning("hfacc: under DeepSpeed a step cannot be skipped from outside the engine; it is taken.")
+        return
+    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    if getattr(trainer.accelerator, "scaler", None) is not None:
+        # fp16's GradScaler refuses a step without gradients; an inf makes it skip the step (and halve its scale).
+        for p in params:
+            if p.grad is not None:
+                p.grad.fill_(float("inf"))
+        return
+    # torch optimizers leave a parameter whose .grad is None untouched: no update, no momentum, no weight decay.
+    for p in params:
+        p.grad = None

@@ -1,0 +1,158 @@
+"""Shared test helpers: variable-length masked data, hand-computed full-batch references, gradient capture.
+
+The references here use plain torch ops only (no hfacc code), so a bug in hfacc's loss cannot hide in them.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+VOCAB = 64
+
+
+def make_examples(n: int = 8, vocab: int = VOCAB, seed: int = 0, lengths=(5, 60)) -> list[dict]:
+    """Sequences of very different lengths (5-60 tokens), each with a prompt of random length masked with -100."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(*lengths)
+        ids = [rng.randrange(1, vocab) for _ in range(length)]
+        prompt = rng.randint(1, length - 1)
+        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return out
+
+
+def pad(examples: list[dict], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    length = max(len(e["input_ids"]) for e in examples)
+    ids = torch.full((len(examples), length), pad_id)
+    labels = torch.full((len(examples), length), -100)
+    mask = torch.zeros((len(examples), length), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e["input_ids"])
+        ids[i, :n] = torch.tensor(e["input_ids"])
+        labels[i, :n] = torch.tensor(e["labels"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def flat_grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.detach().flatten().clone() for p in model.parameters() if p.grad is not None])
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def full_batch_causal_lm(model: nn.Module, examples: list[dict], label_smoothing: float = 0.0, mode: str = "token"):
+    """Hand-computed reference: one forward/backward of the whole batch. Returns (gradient, loss, accuracy).
+
+    mode "token": mean CE over all target tokens (labels != -100 after the shift);
+    mode "sequence": mean over sequences of each sequence's mean; "micro_batch" is handled by the caller.
+    """
+    model.zero_grad()
+    batch = pad(examples)
+    logits = _logits(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]))
+    logits, targets = logits[:, :-1], batch["labels"][:, 1:]
+    ce = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        targets.reshape(-1),
+        ignore_index=-100,
+        reduction="none",
+        label_smoothing=label_smoothing,
+    ).reshape(targets.shape)
+    mask = targets != -100
+    if mode == "token":
+        loss = ce.sum() / mask.sum()
+    elif mode == "sequence":
+        per_seq = ce.sum(1) / mask.sum(1).clamp(min=1)
+        loss = per_seq[mask.any(1)].mean()
+    else:
+        raise ValueError(mode)
+    loss.backward()
+    grad = flat_grad(model)
+    model.zero_grad()
+    token_loss = (ce.sum() / mask.sum()).item()
+    accuracy = ((logits.argmax(-1) == targets) & mask).sum().item() / mask.sum().item()
+    return grad, token_loss, accuracy
+
+
+def _logits(outputs):
+    if torch.is_tensor(outputs):
+        return outputs
+    return outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
+
+
+class CaptureGradients(TrainerCallback):
+    """Copies the gradient just before each optimizer step (after the ranks' all-reduce)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.grads: list[torch.Tensor] = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.grads.append(flat_grad(self.model))
+
+
+class PlainLM(nn.Module):
+    """A custom model whose forward has no **kwargs: stock Trainer divides each micro-batch mean by k."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        logits = self.inner(input_ids=input_ids, attention_mask=attention_mask).logits
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        return {"loss": loss, "logits": logits}
+
+
+class KwargsLM(PlainLM):
+    """Takes **kwargs but ignores num_items_in_batch: stock Trainer then skips the division by k entirely."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+        return super().forward(input_ids, attention_mask, labels)
+
+
+def train_args(tmp_path, bs: int, ga: int, **overrides) -> TrainingArguments:
+    """One optimizer step that leaves the weights alone (lr 0), unclipped, in data order."""
+    settings = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=bs,
+        gradient_accumulation_steps=ga,
+        learning_rate=0.0,
+        max_grad_norm=0.0,
+        report_to=[],
+        save_strategy="no",
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        use_cpu=True,
+        disable_tqdm=True,
+        num_train_epochs=1,
+        seed=0,
+    )
+    settings.update(overrides)
+    cls = settings.pop("args_class", TrainingArguments)
+    return cls(**settings)
+
+
+def run_trainer(trainer_cls, model, examples, args, collator, **kwargs) -> tuple[Trainer, CaptureGradients]:
+    from datasets import Dataset
+
+    capture = CaptureGradients(model)
+    trainer = trainer_cls(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(examples),
+        data_collator=collator,
+        callbacks=[capture],
+        **kwargs,
+    )
+    trainer.train()
+    return trainer, capture
