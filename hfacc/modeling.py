@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -64,3 +65,118 @@ def load_causal_lm(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs)
+
+
+def get_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, revision: str | None = None):
+    """Load a tokenizer; give it a pad token if it has none, and say so.
+
+    The pad token falls back to EOS. That is safe with hfacc's collator, which masks padding through the labels
+    (-100), never by token id, so EOS stays a target where the data puts it.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token or tokenizer.unk_token
+        if fallback is None:
+            raise ValueError(f"{name_or_path}: the tokenizer has neither a pad, an EOS nor an UNK token to pad with.")
+        tokenizer.pad_token = fallback
+        logger.warning("hfacc: the tokenizer had no pad token; using %r (labels of padding are -100).", fallback)
+    return tokenizer
+
+
+def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules="all-linear"):
+    """Wrap ``model`` with a LoRA adapter (peft); only the adapter's weights train."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
+    )
+    model = get_peft_model(model, config)
+    trainable, total = (
+        sum(p.numel() for p in model.parameters() if p.requires_grad),
+        sum(p.numel() for p in model.parameters()),
+    )
+    logger.info("hfacc: LoRA r=%d: %d of %d parameters train (%.2f %%)", r, trainable, total, 100 * trainable / total)
+    return model
+
+
+@dataclass
+class ModelArguments:
+    """Which model to train and how to load it."""
+
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Hub id or local directory of a causal LM. None: the embedded tiny Llama (offline)."},
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "Tokenizer to use, if not the model's own."}
+    )
+    model_revision: str | None = field(default=None, metadata={"help": "Branch, tag or commit of the hub model."})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "Weights dtype: 'auto' (as saved), 'float32', 'bfloat16' or 'float16'.",
+            "choices": ["auto", "float32", "bfloat16", "float16"],
+        },
+    )
+    attn_implementation: str | None = field(
+        default=None, metadata={"help": "Attention kernel: 'sdpa', 'eager', 'flash_attention_2'; None: default."}
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Run modeling code shipped with the hub repository. Off unless you trust its authors."},
+    )
+    use_lora: bool = field(default=False, metadata={"help": "Train a LoRA adapter instead of all weights."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={"help": "Dropout on the LoRA path. Non-zero makes accumulation inexact (hfacc verify says so)."},
+    )
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"], metadata={"help": "Modules to adapt ('all-linear': every Linear)."}
+    )
+    embedded_hidden_size: int = field(default=128, metadata={"help": "Hidden size of the embedded tiny Llama."})
+    embedded_num_layers: int = field(default=4, metadata={"help": "Layers of the embedded tiny Llama."})
+
+    def __post_init__(self):
+        if self.lora_r < 1:
+            raise ValueError(f"lora_r={self.lora_r}: the LoRA rank must be >= 1.")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout={self.lora_dropout}: it must be in [0, 1).")
+
+
+def load_model_and_tokenizer(args: ModelArguments, seed: int = 0):
+    """The model and tokenizer of ``args``: from the hub or a local directory, or the embedded default.
+
+    The embedded default trains its tokenizer on the project's own corpus and sizes a tiny Llama to it; both are
+    deterministic, so every rank of a distributed run builds the same ones.
+    """
+    if args.model_name_or_path is None:
+        from .embedded import build_default_model, build_default_tokenizer
+
+        tokenizer = (
+            get_tokenizer(args.tokenizer_name_or_path) if args.tokenizer_name_or_path else build_default_tokenizer()
+        )
+        model = build_default_model(
+            tokenizer, hidden_size=args.embedded_hidden_size, num_layers=args.embedded_num_layers, seed=seed
+        )
+    else:
+        tokenizer = get_tokenizer(
+            args.tokenizer_name_or_path or args.model_name_or_path,
+            trust_remote_code=args.trust_remote_code,
+            revision=args.model_revision,
+        )
+        model = load_causal_lm(
+            args.model_name_or_path,
+            trust_remote_code=args.trust_remote_code,
+            dtype=args.dtype,
+            revision=args.model_revision,
+            attn_implementation=args.attn_implementation,
+        )
+    if args.use_lora:
+        targets = args.lora_target_modules
+        target = targets[0] if targets == ["all-linear"] else targets
+        model = apply_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, target)
+    return model, tokenizer

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -67,6 +68,10 @@ class TokenWeightedArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        if not self.use_cpu and not torch.accelerator.is_available():
+            # Accelerate forms a CPU process group (gloo) only when told it runs on the CPU; otherwise each process
+            # of `accelerate launch --multi_gpu --num_processes 2` on a GPU-less machine trains alone, silently.
+            self.use_cpu = True
         super().__post_init__()
         validate_settings(self)
 
@@ -142,6 +147,13 @@ class TokenWeightedTrainer(Trainer):
             raise NotImplementedError(
                 "hfacc counts targets per data-parallel rank; tensor, context and sequence parallelism are not "
                 "supported yet. Remove parallelism_config or use the stock Trainer."
+            )
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != self.accelerator.num_processes:
+            raise RuntimeError(
+                f"{launched} processes were launched (WORLD_SIZE) but this one trains alone (world size "
+                f"{self.accelerator.num_processes}), so every process would train its own copy. On a machine without "
+                "GPUs pass use_cpu=True (TokenWeightedArguments does this by itself) so the processes join over gloo."
             )
         # A plain nn.Module without a `labels` argument would have its labels column removed by the Trainer.
         if not self.label_names:

@@ -5,7 +5,9 @@ The references here use plain torch ops only (no hfacc code), so a bug in hfacc'
 
 from __future__ import annotations
 
+import importlib.util
 import random
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -156,3 +158,22 @@ def run_trainer(trainer_cls, model, examples, args, collator, **kwargs) -> tuple
     )
     trainer.train()
     return trainer, capture
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_recipe(name: str = "sft"):
+    """Import recipes/<name>.py as a module (recipes are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"recipes.{name}", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def recipe_types(module):
+    from hfacc import TokenWeightedArguments
+    from hfacc.data import DataArguments
+    from hfacc.modeling import ModelArguments
+
+    return [module.SFTArguments, ModelArguments, DataArguments, TokenWeightedArguments]

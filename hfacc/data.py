@@ -1,0 +1,460 @@
+"""SFT datasets with loss masking: prompt/completion, multi-turn chat (assistant turns only), plain text.
+
+Each builder returns token ids and ``labels`` with -100 wherever no loss is wanted. For chat data the trained spans
+are derived from the tokenizer's own chat template, whatever it is: the conversation is rendered once in full and
+once up to each assistant turn, and the characters between "the prompt that asks for this turn" and "the
+conversation through this turn" are the turn's answer and its end-of-turn marker. Offsets map those characters
+to tokens. No ``{% generation %}`` markers are needed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .loss import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("prompt_completion", "messages", "text")
+FORMAT_COLUMNS = {"prompt_completion": ("prompt", "completion"), "messages": ("messages",), "text": ("text",)}
+ROLES = ("system", "user", "assistant", "tool")
+TRUNCATIONS = ("right", "drop", "error")
+
+
+class DataError(ValueError):
+    """A row of the dataset cannot be used; the message names the row, the field and the fix."""
+
+
+def detect_format(column_names: Sequence[str]) -> str:
+    """The dataset format from its columns; a clear error, with a guess at misspellings, when none fits."""
+    columns = set(column_names)
+    for name in ("messages", "prompt_completion", "text"):
+        if set(FORMAT_COLUMNS[name]) <= columns:
+            return name
+    if "conversations" in columns:
+        raise DataError(
+            "The dataset has a 'conversations' column; hfacc reads chat data from 'messages' (a list of "
+            "{role, content}). Rename it: dataset = dataset.rename_column('conversations', 'messages') (ShareGPT "
+            "'from'/'value' keys must become 'role'/'content')."
+        )
+    hints = []
+    for expected in ("messages", "prompt", "completion", "text"):
+        close = difflib.get_close_matches(expected, list(columns), n=1, cutoff=0.75)
+        if close and expected not in columns:
+            hints.append(f"'{close[0]}' -> '{expected}'")
+    hint = f" Did you mean: {', '.join(hints)}? Rename with dataset.rename_column(old, new)." if hints else ""
+    raise DataError(
+        f"Cannot tell the dataset format from its columns {sorted(columns)}. hfacc expects 'messages' (chat), "
+        f"'prompt' + 'completion', or 'text'.{hint}"
+    )
+
+
+def build_sft_dataset(
+    dataset,
+    tokenizer,
+    *,
+    max_length: int | None = 1024,
+    format: str = "auto",
+    last_turn_only: bool = False,
+    truncation: str = "right",
+    num_proc: int | None = None,
+):
+    """Tokenize ``dataset`` for supervised fine-tuning, with -100 labels wherever no loss is wanted.
+
+    Args:
+        dataset: a ``datasets.Dataset`` with columns ``messages`` (list of ``{role, content}``), or ``prompt`` and
+            ``completion`` (strings, or lists of messages), or ``text``.
+        tokenizer: a fast tokenizer; chat data needs its ``chat_template``.
+        max_length: longest example in tokens (``None``: no limit).
+        format: ``"auto"`` (from the columns) or one of ``"messages"``, ``"prompt_completion"``, ``"text"``.
+        last_turn_only: for chat data, train on the last assistant turn only (default: every assistant turn).
+        truncation: what to do with an example longer than ``max_length``: ``"right"`` cuts its end, ``"drop"``
+            removes it, ``"error"`` stops. Either way the count is reported in one log line.
+        num_proc: processes for ``datasets.map``.
+
+    Returns:
+        A ``datasets.Dataset`` with ``input_ids``, ``attention_mask`` and ``labels``. Loss goes to the completion
+        and its EOS (prompt/completion), to the assistant turns with their end-of-turn tokens (chat), or to every
+        token (text). Examples left without a target are dropped, counted in one warning.
+
+    >>> ds = datasets.Dataset.from_list([{"prompt": "2+2=", "completion": "4"}])   # doctest: +SKIP
+    >>> build_sft_dataset(ds, tokenizer)[0]["labels"]                               # doctest: +SKIP
+    [-100, -100, -100, 19, 2]
+    """
+    if format == "auto":
+        format = detect_format(dataset.column_names)
+    if format not in FORMATS:
+        raise DataError(f"format={format!r} is not supported; use 'auto' or one of {list(FORMATS)}.")
+    missing = [c for c in FORMAT_COLUMNS[format] if c not in dataset.column_names]
+    if missing:
+        raise DataError(f"format={format!r} needs the column(s) {missing}; the dataset has {dataset.column_names}.")
+    if truncation not in TRUNCATIONS:
+        raise DataError(f"truncation={truncation!r} is not supported; use one of {list(TRUNCATIONS)}.")
+    if max_length is not None and max_length < 2:
+        raise DataError(f"max_length={max_length}: an example needs at least 2 tokens to have a target.")
+    if len(dataset) == 0:
+        raise DataError("The dataset is empty.")
+    needs_template = format == "messages" or (format == "prompt_completion" and _is_conversation(dataset[0]["prompt"]))
+    if needs_template and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "Chat data needs a tokenizer with a chat template, and this one has none. Use the tokenizer of an "
+            "instruct/chat model, or set one: tokenizer.chat_template = '<jinja template>' (see "
+            "https://huggingface.co/docs/transformers/chat_templating)."
+        )
+    if tokenizer.eos_token_id is None:
+        raise DataError("The tokenizer has no eos_token; set tokenizer.eos_token so completions can end.")
+
+    def encode(row: Mapping[str, Any], index: int) -> dict[str, Any]:
+        if format == "text":
+            ids, labels = tokenize_text(tokenizer, _string(row, "text", index))
+        elif format == "prompt_completion":
+            ids, labels = tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"], index)
+        else:
+            ids, labels = tokenize_messages(tokenizer, row["messages"], index, last_turn_only=last_turn_only)
+        too_long = max_length is not None and len(ids) > max_length
+        if too_long and truncation == "error":
+            raise DataError(
+                f"row {index}: {len(ids)} tokens exceed max_length={max_length}. Raise max_length, or set "
+                "truncation='right' (cut the end) or 'drop'."
+            )
+        if too_long and truncation == "right":
+            ids, labels = ids[:max_length], labels[:max_length]
+        num_targets = sum(1 for y in labels[1:] if y != IGNORE_INDEX)
+        keep = not (too_long and truncation == "drop") and num_targets > 0
+        return {
+            "input_ids": ids,
+            "attention_mask": [1] * len(ids),
+            "labels": labels,
+            "_too_long": too_long,
+            "_keep": keep,
+        }
+
+    encoded = dataset.map(
+        encode,
+        with_indices=True,
+        remove_columns=dataset.column_names,
+        num_proc=num_proc,
+        desc=f"Tokenizing ({format})",
+    )
+    too_long = sum(encoded["_too_long"])
+    kept = encoded.filter(lambda keep: keep, input_columns="_keep", num_proc=num_proc)
+    dropped = len(encoded) - len(kept)
+    if too_long:
+        action = {"right": "truncated (their end is cut)", "drop": "dropped"}[truncation]
+        logger.warning(
+            "hfacc: %d of %d examples exceed max_length=%s and were %s.", too_long, len(encoded), max_length, action
+        )
+    if dropped:
+        logger.warning(
+            "hfacc: %d of %d examples have no target token (after truncation) or were too long, and were dropped.",
+            dropped,
+            len(encoded),
+        )
+    if len(kept) == 0:
+        raise DataError(
+            f"No example is left after tokenization ({len(encoded)} had no target token or were too long for "
+            f"max_length={max_length}). Check the masking (hfacc show-mask) or raise max_length."
+        )
+    return kept.remove_columns(["_too_long", "_keep"])
+
+
+def tokenize_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """Every token is a target (continued pretraining), EOS appended."""
+    ids = _with_eos(tokenizer(text, add_special_tokens=True)["input_ids"], tokenizer.eos_token_id)
+    return ids, list(ids)
+
+
+def tokenize_prompt_completion(tokenizer, prompt: Any, completion: Any, index: int = 0) -> tuple[list[int], list[int]]:
+    """Loss on the completion and its EOS only.
+
+    Strings are tokenized separately and concatenated, so no token straddles the boundary; the prompt gets the
+    tokenizer's special tokens (BOS), the completion EOS. Lists of messages go through the chat template, with
+    the assistant turns of the completion trained.
+    """
+    if _is_conversation(prompt) or _is_conversation(completion):
+        prompt_messages = _messages(prompt, index, "prompt", need_assistant=False)
+        completion_messages = _messages(completion, index, "completion", need_assistant=True)
+        messages = prompt_messages + completion_messages
+        trainable = [i for i in range(len(prompt_messages), len(messages)) if messages[i]["role"] == "assistant"]
+        return _tokenize_conversation(tokenizer, messages, trainable, index)
+    prompt = _string({"prompt": prompt}, "prompt", index, allow_empty=True)
+    completion = _string({"completion": completion}, "completion", index)
+    prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+    if prompt_ids and prompt_ids[-1] == tokenizer.eos_token_id and tokenizer.eos_token_id != tokenizer.bos_token_id:
+        prompt_ids = prompt_ids[:-1]  # tokenizers that append EOS to every text: the prompt does not end there
+    completion_ids = _with_eos(tokenizer(completion, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id)
+    return prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids
+
+
+def tokenize_messages(
+    tokenizer, messages: Any, index: int = 0, *, last_turn_only: bool = False
+) -> tuple[list[int], list[int]]:
+    """Loss on the assistant turns (each with its end-of-turn token), or on the last one only."""
+    messages = _messages(messages, index, "messages", need_assistant=True)
+    trainable = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if last_turn_only:
+        trainable = trainable[-1:]
+    return _tokenize_conversation(tokenizer, messages, trainable, index)
+
+
+def get_assistant_spans(tokenizer, messages: list[dict], trainable: Sequence[int], index: int = 0):
+    """Render ``messages`` with the chat template; return the text and the character spans to train on.
+
+    For assistant message i the span starts where ``render(messages[:i], add_generation_prompt=True)`` ends (the
+    prompt that asks for this turn) and ends where ``render(messages[:i + 1])`` ends, minus trailing whitespace
+    (the template's newline after the end-of-turn token is scaffolding, not something the model should learn to
+    emit). Templates that rewrite earlier turns break the prefix property; then the answer is located by its
+    content, and a clear error names the row if even that fails.
+    """
+    text = _render(tokenizer, messages, index)
+    spans = []
+    for i in trainable:
+        before = _render(tokenizer, messages[:i], index, add_generation_prompt=True) if i else ""
+        through = _render(tokenizer, messages[: i + 1], index)
+        content = messages[i]["content"]
+        if text.startswith(before) and text.startswith(through) and len(through) > len(before):
+            start, end = len(before), len(through.rstrip())
+        else:
+            floor = spans[-1][1] if spans else 0
+            start = text.find(content, floor)
+            if start < 0 or not content:
+                raise DataError(
+                    f"row {index}: cannot locate assistant message {i} in the chat template's output (the template "
+                    "rewrites the conversation, and the message text is not found verbatim). Use "
+                    "last_turn_only=True, or a template with {% generation %} markers."
+                )
+            end = start + len(content)
+            eos = tokenizer.eos_token or ""
+            if eos and text.startswith(eos, end):
+                end += len(eos)
+        spans.append((start, end))
+    return text, spans
+
+
+def _tokenize_conversation(tokenizer, messages, trainable, index) -> tuple[list[int], list[int]]:
+    text, spans = get_assistant_spans(tokenizer, messages, trainable, index)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    labels = [IGNORE_INDEX] * len(ids)
+    for t, (a, b) in enumerate(offsets):
+        # A token is trained when it *ends* inside an answer span: a token that straddles the header/answer
+        # boundary produces answer text, a newline after the end-of-turn token does not.
+        if b > a and any(start < b <= end for start, end in spans):
+            labels[t] = ids[t]
+    return list(ids), labels
+
+
+def _render(tokenizer, messages, index, add_generation_prompt=False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as err:  # jinja raises its own errors (e.g. "roles must alternate")
+        raise DataError(f"row {index}: the chat template refused this conversation: {err}") from err
+
+
+def _messages(value: Any, index: int, field: str, need_assistant: bool) -> list[dict]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise DataError(
+            f"row {index}, field '{field}': expected a non-empty list of {{'role', 'content'}} messages, got "
+            f"{type(value).__name__}."
+        )
+    messages = []
+    for j, m in enumerate(value):
+        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
+            raise DataError(
+                f"row {index}, field '{field}', message {j}: expected a dict with 'role' and 'content', got {m!r:.80}."
+            )
+        if m["role"] not in ROLES:
+            raise DataError(
+                f"row {index}, field '{field}', message {j}: unknown role {m['role']!r}; use one of {list(ROLES)}."
+            )
+        if not isinstance(m["content"], str):
+            raise DataError(
+                f"row {index}, field '{field}', message {j}: 'content' must be a string, got "
+                f"{type(m['content']).__name__}."
+            )
+        messages.append({"role": m["role"], "content": m["content"]})
+    if need_assistant and not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"row {index}, field '{field}': the conversation has no assistant message to train on.")
+    return messages
+
+
+def _string(row: Mapping[str, Any], field: str, index: int, allow_empty: bool = False) -> str:
+    value = row[field]
+    if not isinstance(value, str):
+        raise DataError(
+            f"row {index}, field '{field}': expected a string, got {type(value).__name__} ({value!r:.60})."
+        )
+    if not allow_empty and not value.strip():
+        raise DataError(f"row {index}, field '{field}': it is empty; remove the row or fill it in.")
+    return value
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) > 0 and isinstance(value[0], Mapping)
+
+
+def _with_eos(ids: list[int], eos: int) -> list[int]:
+    ids = list(ids)
+    return ids if ids and ids[-1] == eos else ids + [eos]
+
+
+def render_mask(tokenizer, input_ids: Sequence[int], labels: Sequence[int], color: bool = True) -> str:
+    """The example as text, trained tokens highlighted: green with ``color``, else wrapped in ``[[ ]]``.
+
+    A trained token is one whose label is not -100 (the token the previous position learns to predict).
+    """
+    pieces, trained_run = [], None
+    for token, label in zip(input_ids, labels, strict=True):
+        trained = label != IGNORE_INDEX
+        text = tokenizer.decode([token], skip_special_tokens=False)
+        if trained != trained_run:
+            if trained_run:
+                pieces.append("\x1b[0m" if color else "]]")
+            if trained:
+                pieces.append("\x1b[1;32m" if color else "[[")
+            trained_run = trained
+        pieces.append(text)
+    if trained_run:
+        pieces.append("\x1b[0m" if color else "]]")
+    return "".join(pieces)
+
+
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_sft_source(
+    name_or_path: str | None,
+    *,
+    config: str | None = None,
+    split: str = "train",
+    eval_split: str | None = None,
+    eval_fraction: float = 0.05,
+    max_examples: int | None = None,
+    seed: int = 0,
+    num_embedded: int = 4000,
+):
+    """Load raw SFT data and return ``(train, eval)`` ``datasets.Dataset`` s.
+
+    ``name_or_path`` is a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file, a directory written by
+    ``Dataset.save_to_disk``, a hub dataset name, or ``None`` for the embedded instruction dataset. Without an
+    ``eval_split``, a seeded ``eval_fraction`` of the examples is held out.
+    """
+    import datasets
+
+    if name_or_path is None:
+        from .embedded import generate_instruction_examples
+
+        data = datasets.Dataset.from_list(generate_instruction_examples(num_embedded, seed=seed))
+        held_out = None
+    else:
+        path = Path(name_or_path)
+        if path.suffix in LOCAL_FORMATS:
+            if not path.is_file():
+                raise DataError(f"dataset {name_or_path}: no such file.")
+            data, held_out = (
+                datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train"),
+                None,
+            )
+        elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+            loaded = datasets.load_from_disk(str(path))
+            data, held_out = _pick_splits(loaded, split, eval_split, name_or_path)
+        else:
+            loaded = datasets.load_dataset(name_or_path, config)
+            data, held_out = _pick_splits(loaded, split, eval_split, name_or_path)
+    if max_examples is not None:
+        data = data.select(range(min(max_examples, len(data))))
+    if held_out is None:
+        if not 0 < eval_fraction < 1:
+            raise DataError(
+                f"eval_fraction={eval_fraction}: it must be between 0 and 1 (exclusive) without eval_split."
+            )
+        parts = data.train_test_split(test_size=eval_fraction, seed=seed)
+        data, held_out = parts["train"], parts["test"]
+    return data, held_out
+
+
+def _pick_splits(loaded, split, eval_split, name):
+    import datasets
+
+    if isinstance(loaded, datasets.Dataset):
+        return loaded, None
+    if split not in loaded:
+        raise DataError(f"dataset {name} has no split {split!r}; it has {list(loaded)}. Set dataset_train_split.")
+    if eval_split is not None and eval_split not in loaded:
+        raise DataError(f"dataset {name} has no split {eval_split!r}; it has {list(loaded)}. Set dataset_eval_split.")
+    return loaded[split], (loaded[eval_split] if eval_split else None)
+
+
+@dataclass
+class DataArguments:
+    """Which data to train on and how to mask it."""
+
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Hub dataset, local .json/.jsonl/.csv/.parquet file, or save_to_disk directory. None: "
+            "the embedded instruction dataset (offline)."
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_eval_split: str | None = field(
+        default=None, metadata={"help": "Split to evaluate on. None: hold out eval_fraction of the training split."}
+    )
+    eval_fraction: float = field(default=0.05, metadata={"help": "Share held out for evaluation (no eval split)."})
+    max_examples: int | None = field(default=None, metadata={"help": "Use at most this many training examples."})
+    num_embedded_examples: int = field(default=4000, metadata={"help": "Size of the embedded dataset."})
+    dataset_format: str = field(
+        default="auto",
+        metadata={
+            "help": "'auto' (from the columns), 'messages', 'prompt_completion' or 'text'.",
+            "choices": ["auto", *FORMATS],
+        },
+    )
+    max_length: int | None = field(default=1024, metadata={"help": "Longest example in tokens."})
+    truncation: str = field(
+        default="right",
+        metadata={
+            "help": "Examples over max_length: 'right' (cut the end), 'drop', or 'error'.",
+            "choices": list(TRUNCATIONS),
+        },
+    )
+    last_turn_only: bool = field(
+        default=False, metadata={"help": "Chat data: train on the last assistant turn only (default: all of them)."}
+    )
+
+    def __post_init__(self):
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length={self.max_length}: an example needs at least 2 tokens.")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise ValueError(f"max_examples={self.max_examples}: it must be >= 1 (or unset).")
+
+
+def build_datasets(args: DataArguments, tokenizer, seed: int = 0):
+    """``(train, eval, raw_eval)``: tokenized, masked train/eval datasets and the raw held-out rows."""
+    raw_train, raw_eval = load_sft_source(
+        args.dataset_name,
+        config=args.dataset_config,
+        split=args.dataset_train_split,
+        eval_split=args.dataset_eval_split,
+        eval_fraction=args.eval_fraction,
+        max_examples=args.max_examples,
+        seed=seed,
+        num_embedded=args.num_embedded_examples,
+    )
+    options = dict(
+        max_length=args.max_length,
+        format=args.dataset_format,
+        last_turn_only=args.last_turn_only,
+        truncation=args.truncation,
+    )
+    return (
+        build_sft_dataset(raw_train, tokenizer, **options),
+        build_sft_dataset(raw_eval, tokenizer, **options),
+        raw_eval,
+    )

@@ -1,0 +1,212 @@
+"""The embedded default: an instruction dataset, a tokenizer and a tiny Llama, all made here, offline.
+
+``accelerate launch recipes/sft.py`` with no arguments trains on this. The dataset is generated deterministically
+from a seed: small tasks whose answers range from one token to dozens (arithmetic, reversing and spelling words,
+counting, writing numbers in words, sorting, some two-turn follow-ups), in chat format with a system prompt on some
+conversations, so that assistant-only masking and token weighting both matter. The tokenizer is a byte-level BPE
+trained with ``tokenizers`` on the project's own corpus, with a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
+SYSTEM_PROMPT = "You are a careful assistant. Answer with the result only."
+
+WORDS = (
+    "apple river planet garden window silver yellow orange pencil rocket candle forest market button dragon "
+    "castle winter summer spring autumn ocean island bridge guitar violin coffee butter shadow mirror wizard "
+    "pirate robot spider turtle rabbit monkey tiger zebra camel eagle falcon parrot lemon cherry grape melon "
+    "paper ladder engine basket jacket helmet anchor harbor meadow valley canyon desert glacier thunder cloud "
+    "storm sunset marble copper velvet cotton puzzle riddle legend story poem song dance music light stone"
+).split()
+ONES = "zero one two three four five six seven eight nine".split()
+TEENS = "ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split()
+TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+
+
+def number_to_words(n: int) -> str:
+    """English words for 0 <= n < 10000.
+
+    >>> number_to_words(342)
+    'three hundred forty-two'
+    """
+    if not 0 <= n < 10000:
+        raise ValueError(f"number_to_words handles 0..9999, got {n}")
+    if n < 10:
+        return ONES[n]
+    if n < 20:
+        return TEENS[n - 10]
+    if n < 100:
+        return TENS[n // 10] + ("-" + ONES[n % 10] if n % 10 else "")
+    if n < 1000:
+        rest = f" {number_to_words(n % 100)}" if n % 100 else ""
+        return f"{ONES[n // 100]} hundred{rest}"
+    rest = f" {number_to_words(n % 1000)}" if n % 1000 else ""
+    return f"{ONES[n // 1000]} thousand{rest}"
+
+
+def _arithmetic(rng):
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    if rng.random() < 0.5:
+        return f"What is {a} + {b}?", str(a + b), a + b
+    a, b = max(a, b), min(a, b)
+    return f"What is {a} - {b}?", str(a - b), a - b
+
+
+def _reverse(rng):
+    word = rng.choice(WORDS)
+    return f"Reverse the letters of '{word}'.", word[::-1], None
+
+
+def _spell(rng):
+    word = rng.choice(WORDS)
+    return f"Spell '{word}' letter by letter.", " ".join(word.upper()), None
+
+
+def _count(rng):
+    start = rng.randint(0, 30)
+    stop = start + rng.randint(2, 18)
+    return f"Count from {start} to {stop}.", " ".join(str(i) for i in range(start, stop + 1)), None
+
+
+def _words(rng):
+    n = rng.choice([rng.randint(0, 99), rng.randint(100, 999), rng.randint(1000, 9999)])
+    return f"Write {n} in words.", number_to_words(n), None
+
+
+def _sort(rng):
+    numbers = [rng.randint(0, 99) for _ in range(rng.randint(3, 9))]
+    return f"Sort these numbers: {' '.join(map(str, numbers))}", " ".join(map(str, sorted(numbers))), None
+
+
+def _upper(rng):
+    words = rng.sample(WORDS, rng.randint(2, 6))
+    return f"Write in capital letters: {' '.join(words)}", " ".join(words).upper(), None
+
+
+def _repeat(rng):
+    word, k = rng.choice(WORDS), rng.randint(1, 7)
+    return f"Repeat '{word}' {k} times.", " ".join([word] * k), None
+
+
+TASKS: dict[str, Callable] = {
+    "arithmetic": _arithmetic,
+    "reverse": _reverse,
+    "spell": _spell,
+    "count": _count,
+    "words": _words,
+    "sort": _sort,
+    "upper": _upper,
+    "repeat": _repeat,
+}
+
+
+def generate_instruction_examples(n: int = 4000, seed: int = 0, two_turn_fraction: float = 0.3) -> list[dict]:
+    """``n`` chat examples ``{"messages": [...], "task": name}``, the same for the same seed.
+
+    About ``two_turn_fraction`` of the arithmetic examples get a follow-up turn ("Now double it.") whose answer
+    needs the first one; a third of the conversations start with a system prompt.
+    """
+    rng = random.Random(seed)
+    names = list(TASKS)
+    out = []
+    for _ in range(n):
+        name = rng.choice(names)
+        question, answer, value = TASKS[name](rng)
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 1 / 3 else []
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        if value is not None and rng.random() < two_turn_fraction:
+            messages += [
+                {"role": "user", "content": "Now double it."},
+                {"role": "assistant", "content": str(2 * value)},
+            ]
+        out.append({"messages": messages, "task": name})
+    return out
+
+
+def build_default_tokenizer(
+    corpus: list[str] | None = None, vocab_size: int = 512, save_dir: str | Path | None = None
+):
+    """The default run's tokenizer: byte-level BPE on ``corpus`` (default: the generated dataset), ChatML template.
+
+    ``<|im_end|>`` is both the end-of-turn and the EOS token; ``<|pad|>`` pads. Saved to ``save_dir`` when given.
+    """
+    if corpus is None:
+        corpus = [m["content"] for ex in generate_instruction_examples(4000, seed=1234) for m in ex["messages"]]
+    tokenizer = build_bpe_tokenizer(
+        corpus + ["user", "assistant", "system"],
+        vocab_size,
+        SPECIAL_TOKENS,
+        eos_token="<|im_end|>",
+        pad_token="<|pad|>",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    if save_dir is not None:
+        tokenizer.save_pretrained(save_dir)
+    return tokenizer
+
+
+def build_bpe_tokenizer(
+    corpus: list[str],
+    vocab_size: int,
+    special_tokens: list[str],
+    *,
+    eos_token: str,
+    pad_token: str | None = None,
+    bos_token: str | None = None,
+    chat_template: str | None = None,
+):
+    """A byte-level BPE tokenizer trained with ``tokenizers`` on ``corpus``; byte-level, so no text is unknown.
+
+    ``special_tokens`` are kept whole (never split or merged) and must include the EOS/pad/BOS tokens named.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    core.train_from_iterator(corpus, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token=eos_token, pad_token=pad_token, bos_token=bos_token, unk_token=None
+    )
+    tokenizer.padding_side = "right"
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def build_default_model(tokenizer, hidden_size: int = 128, num_layers: int = 4, seed: int = 0):
+    """The tiny Llama of the default run, sized to the tokenizer."""
+    from .modeling import build_tiny_llama
+
+    model = build_tiny_llama(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=4,
+        seed=seed,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model

@@ -1,0 +1,38 @@
+"""Run outputs people read: a loss-curve PNG and a metrics JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def save_loss_curve(log_history: list[dict], path: str | Path, title: str = "hfacc training") -> Path:
+    """Plot training loss per logging step and evaluation loss where it was measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in log_history if "eval_loss" in h and "step" in h]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train loss (token-weighted)")
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o--", label="eval loss")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy per target token")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_json(data: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    return path
