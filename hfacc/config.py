@@ -17,8 +17,13 @@ class ConfigError(ValueError):
     """A config file or command line that does not fit the recipe's dataclasses."""
 
 
-def load_yaml_config(path: str | Path, dataclass_types: Sequence[type]) -> dict[str, Any]:
-    """Read a YAML mapping of settings and check every key against the fields of ``dataclass_types``."""
+def load_yaml_config(
+    path: str | Path, dataclass_types: Sequence[type], ignore_types: Sequence[type] = ()
+) -> dict[str, Any]:
+    """Read a YAML mapping of settings and check every key against the fields of ``dataclass_types``.
+
+    Keys that are fields of ``ignore_types`` only are dropped (a tool that reads a recipe's config uses part of it).
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file.")
@@ -26,6 +31,8 @@ def load_yaml_config(path: str | Path, dataclass_types: Sequence[type]) -> dict[
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of setting: value, got {type(data).__name__}.")
     known = {f.name for cls in dataclass_types for f in dataclasses.fields(cls) if f.init}
+    ignored = {f.name for cls in ignore_types for f in dataclasses.fields(cls)} - known
+    data = {k: v for k, v in data.items() if k not in ignored}
     unknown = sorted(set(data) - known)
     if unknown:
         hints = []
@@ -37,12 +44,16 @@ def load_yaml_config(path: str | Path, dataclass_types: Sequence[type]) -> dict[
 
 
 def parse_args(
-    dataclass_types: Sequence[type], args: Sequence[str] | None = None, default_config: str | Path | None = None
+    dataclass_types: Sequence[type],
+    args: Sequence[str] | None = None,
+    default_config: str | Path | None = None,
+    ignore_types: Sequence[type] = (),
+    prog: str | None = None,
 ) -> tuple:
     """Parse ``args`` (default: ``sys.argv[1:]``) into one instance of each of ``dataclass_types``.
 
     ``--config FILE.yaml`` sets defaults (``default_config`` when none is given); flags on the command line win.
-    Unknown YAML keys and unknown flags are errors that name them.
+    Unknown YAML keys and unknown flags are errors that name them; YAML keys of ``ignore_types`` are skipped.
     """
     args = list(sys.argv[1:] if args is None else args)
     config_path = default_config
@@ -58,10 +69,10 @@ def parse_args(
                 config_path = a.split("=", 1)[1]
                 del args[i]
                 break
-    parser = HfArgumentParser(list(dataclass_types))
+    parser = HfArgumentParser(list(dataclass_types), prog=prog)
     parser.add_argument("--config", help="YAML file of defaults for any of the settings below.")
     if config_path is not None:
-        parser.set_defaults(**load_yaml_config(config_path, dataclass_types))
+        parser.set_defaults(**load_yaml_config(config_path, dataclass_types, ignore_types))
     namespace, remaining = parser.parse_known_args(args)
     if remaining:
         raise ConfigError(f"unknown argument(s): {' '.join(remaining)}. Run with --help for the settings.")

@@ -23,9 +23,11 @@ from torch import nn
 from .loss import (
     IGNORE_INDEX,
     LossSums,
+    WindowCounts,
     binary_cross_entropy_sums,
     count_targets,
     cross_entropy_sums,
+    normalize_window_loss,
     shift_labels,
     squared_error_sums,
 )
@@ -336,6 +338,38 @@ def get_objective(
         tuple(labels.shape),
     )
     return ModelLossObjective()
+
+
+def compute_micro_batch_loss(
+    objective: Objective,
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    window: WindowCounts,
+    *,
+    normalization: str = "token",
+    world_size: int = 1,
+):
+    """Run one micro-batch and return ``(loss to backpropagate, outputs, sums)``: what training does, in one place.
+
+    The loss is the micro-batch's share of the window loss (:func:`hfacc.loss.normalize_window_loss`), plus, for
+    mixture-of-experts models that return a router ``aux_loss``, ``router_aux_loss_coef * aux_loss / k``: that
+    auxiliary loss is a statistic of each micro-batch's own routing, so it can only be averaged over micro-batches
+    (``hfacc verify`` reports it as a split-dependent term).
+    """
+    outputs, sums = objective(model, batch, per_sequence=normalization == "sequence")
+    loss = normalize_window_loss(sums, window, normalization=normalization, world_size=world_size)
+    aux = get_aux_loss(model, outputs)
+    if aux is not None:
+        loss = loss + aux / max(window.num_micro_batches, 1)
+    return loss, outputs, sums
+
+
+def get_aux_loss(model: nn.Module, outputs: Any) -> torch.Tensor | None:
+    """``router_aux_loss_coef * outputs.aux_loss`` for MoE models that return one, else None."""
+    if not isinstance(outputs, Mapping) or outputs.get("aux_loss") is None:
+        return None
+    coef = getattr(getattr(get_base_model(model), "config", None), "router_aux_loss_coef", 0.0) or 0.0
+    return coef * outputs["aux_loss"] if coef else None
 
 
 def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:

@@ -29,8 +29,8 @@ import torch
 from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from .loss import NORMALIZATIONS, LossSums, WindowCounts, normalize_window_loss
-from .objective import OBJECTIVES, ModelLossObjective, Objective, get_objective
+from .loss import NORMALIZATIONS, LossSums, WindowCounts
+from .objective import OBJECTIVES, ModelLossObjective, Objective, compute_micro_batch_loss, get_objective
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,13 @@ class TokenWeightedArguments(TrainingArguments):
         default=10,
         metadata={"help": "Stop with an error after this many skipped non-finite steps (0: never stop)."},
     )
+    audit_every_n_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Every N optimizer steps, recompute the window's gradient example by example and log the "
+            "relative error as accumulation_audit_error (0: off). Costs about one extra window per audit."
+        },
+    )
 
     def __post_init__(self):
         if not self.use_cpu and not torch.accelerator.is_available():
@@ -84,6 +91,8 @@ def validate_settings(args: Any) -> None:
     objective = getattr(args, "objective", "auto")
     if objective != "auto" and objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is not supported; use 'auto' or one of {sorted(OBJECTIVES)}.")
+    if getattr(args, "audit_every_n_steps", 0) < 0:
+        raise ValueError("audit_every_n_steps must be >= 0 (0 turns the audit off).")
     if getattr(args, "max_skipped_steps", 0) < 0:
         raise ValueError("max_skipped_steps must be >= 0 (0 never stops training).")
     if args.gradient_accumulation_steps < 1:
@@ -159,14 +168,21 @@ class TokenWeightedTrainer(Trainer):
         if not self.label_names:
             self.label_names = ["labels"]
         self.window: WindowCounts | None = None
+        self.window_batches: list = []
         self._window_left = 0
         self.meter = LossMeter(self.args.device)
+        if getattr(self.args, "audit_every_n_steps", 0):
+            from .verify import AccumulationAuditCallback
+
+            # Before the guard: the audit must see the window's gradient before a skip could drop it.
+            self.add_callback(AccumulationAuditCallback(self, every_n_steps=self.args.audit_every_n_steps))
         self.add_callback(_WindowGuard(self))
 
     # ---- counting: once per window --------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
         """Collect the window's micro-batches and count their targets over all ranks (one collective)."""
         batch_samples = list(islice(epoch_iterator, num_batches))
+        self.window_batches = batch_samples  # the Trainer holds these for the whole window anyway
         self.window = self.count_window(batch_samples, device)
         self._window_left = len(batch_samples)
         self.meter.start_window()
@@ -202,15 +218,15 @@ class TokenWeightedTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """``S_j / N_window * P`` in training; the micro-batch's own mean in evaluation."""
         objective = self.get_objective(inputs)
-        training = model.training
-        per_sequence = self.normalization == "sequence" or not training
-        outputs, sums = objective(model, inputs, per_sequence=per_sequence)
-        if training:
+        if model.training:
             window = self._take_window_slot(inputs)
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
-            loss = normalize_window_loss(sums, window, normalization=self.normalization, world_size=world)
+            loss, outputs, sums = compute_micro_batch_loss(
+                objective, model, inputs, window, normalization=self.normalization, world_size=world
+            )
             self.meter.add_micro_batch(sums)
         else:
+            outputs, sums = objective(model, inputs, per_sequence=True)
             loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
             self.meter.add_eval(sums, self.accelerator)
         return (loss, outputs) if return_outputs else loss
@@ -280,6 +296,7 @@ class LossMeter:
         self.interval, self.interval_targets = self._zeros(), 0
         self.skipped_steps = self.empty_windows = 0
         self.interval_start = time.perf_counter()
+        self.extra: dict[str, float] = {}  # one-off values for the next log (e.g. the accumulation audit)
 
     def start_window(self) -> None:
         self.staged = self._zeros()
@@ -309,6 +326,8 @@ class LossMeter:
             logs["token_accuracy"] = correct / self.interval_targets
         if self.skipped_steps:
             logs["skipped_steps"] = self.skipped_steps
+        logs.update(self.extra)
+        self.extra = {}
         self.interval, self.interval_targets, self.interval_start = self._zeros(), 0, now
         return logs
 

@@ -1,0 +1,164 @@
+"""The ``hfacc`` command: ``hfacc verify`` and ``hfacc show-mask``.
+
+hfacc verify                                   # embedded tiny Llama and data: PASS/FAIL in seconds
+hfacc verify --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name my.jsonl --gradient_accumulation_steps 8
+hfacc verify --config recipes/configs/smollm2-135m_full.yaml
+accelerate launch --config_file accelerate_configs/ddp.yaml -m hfacc.cli verify    # the distributed path
+hfacc show-mask --dataset_name my.jsonl --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --count 3
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import dataclass, field
+
+COMMANDS = {
+    "verify": "check that accumulation equals one big batch for a model and data",
+    "show-mask": "print examples with the tokens that carry loss highlighted",
+}
+
+
+@dataclass
+class ShowMaskArguments:
+    """Settings of ``hfacc show-mask``."""
+
+    index: int = field(default=0, metadata={"help": "First example to show."})
+    count: int = field(default=2, metadata={"help": "How many examples to show."})
+    color: bool = field(default=True, metadata={"help": "Highlight with ANSI colors (False: wrap in [[ ]])."})
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: hfacc {" + ",".join(COMMANDS) + "} [--help] [settings]\n")
+        for name, text in COMMANDS.items():
+            print(f"  {name:10s} {text}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    import datasets
+
+    datasets.disable_progress_bars()  # a handful of rows: the bars would only hide the report
+    return {"verify": run_verify, "show-mask": run_show_mask}[command](rest)
+
+
+def run_verify(argv: list[str]) -> int:
+    import torch
+    from accelerate import Accelerator
+
+    from .collator import DataCollatorForCausalLM
+    from .config import parse_args
+    from .data import DataArguments, build_sft_dataset, load_sft_source
+    from .modeling import ModelArguments, load_model_and_tokenizer
+    from .trainer import TokenWeightedArguments
+    from .verify import VerifyArguments, verify_accumulation
+
+    verify_args, model_args, data_args = parse_args(
+        [VerifyArguments, ModelArguments, DataArguments],
+        argv,
+        ignore_types=_recipe_types(TokenWeightedArguments),
+        prog="hfacc verify",
+    )
+    accelerator = Accelerator(cpu=not torch.accelerator.is_available())
+    model, tokenizer = load_model_and_tokenizer(model_args, seed=verify_args.seed)
+    need = (
+        verify_args.per_device_train_batch_size * verify_args.gradient_accumulation_steps * accelerator.num_processes
+    )
+    raw, _ = load_sft_source(
+        data_args.dataset_name,
+        config=data_args.dataset_config,
+        split=data_args.dataset_train_split,
+        eval_split=None,
+        eval_fraction=0.5,
+        seed=verify_args.seed,
+        num_embedded=max(4 * need, 64),
+        max_examples=max(4 * need, 64),
+    )
+    examples = build_sft_dataset(
+        raw,
+        tokenizer,
+        max_length=data_args.max_length,
+        format=data_args.dataset_format,
+        last_turn_only=data_args.last_turn_only,
+        truncation=data_args.truncation,
+    )
+    report = verify_accumulation(
+        model,
+        [examples[i] for i in range(min(len(examples), need))],
+        DataCollatorForCausalLM(tokenizer.pad_token_id),
+        micro_batch_size=verify_args.per_device_train_batch_size,
+        gradient_accumulation_steps=verify_args.gradient_accumulation_steps,
+        normalization=verify_args.normalization,
+        objective=verify_args.objective,
+        tolerance=verify_args.tolerance,
+        path=verify_args.path,
+        precisions=verify_args.precisions,
+        num_worst=verify_args.num_worst,
+        accelerator=accelerator,
+        seed=verify_args.seed,
+    )
+    if accelerator.is_main_process:
+        print(report.format(), flush=True)
+        if verify_args.json_path:
+            with open(verify_args.json_path, "w") as f:
+                json.dump(report.to_dict(), f, indent=2, default=str)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return 0 if report.passed else 1
+
+
+def run_show_mask(argv: list[str]) -> int:
+    from .config import parse_args
+    from .data import DataArguments, build_sft_dataset, load_sft_source, render_mask
+    from .modeling import ModelArguments, load_model_and_tokenizer
+
+    show, model_args, data_args = parse_args(
+        [ShowMaskArguments, ModelArguments, DataArguments], argv, prog="hfacc show-mask"
+    )
+    _, tokenizer = load_model_and_tokenizer(model_args)
+    raw, _ = load_sft_source(
+        data_args.dataset_name,
+        config=data_args.dataset_config,
+        split=data_args.dataset_train_split,
+        eval_fraction=0.5,
+        num_embedded=max(2 * (show.index + show.count), 16),
+        max_examples=max(2 * (show.index + show.count), 16),
+    )
+    raw = raw.select(range(show.index, min(len(raw), show.index + show.count)))
+    ds = build_sft_dataset(
+        raw,
+        tokenizer,
+        max_length=data_args.max_length,
+        format=data_args.dataset_format,
+        last_turn_only=data_args.last_turn_only,
+        truncation=data_args.truncation,
+    )
+    legend = "\x1b[1;32mgreen\x1b[0m" if show.color else "[[ ]]"
+    print(f"Tokens that carry loss are {legend}; everything else has label -100.\n")
+    for i, row in enumerate(ds):
+        targets = sum(1 for y in row["labels"][1:] if y != -100)
+        print(f"--- example {show.index + i}: {len(row['input_ids'])} tokens, {targets} targets ---")
+        print(render_mask(tokenizer, row["input_ids"], row["labels"], color=show.color))
+        print()
+    return 0
+
+
+def _recipe_types(*extra):
+    """Dataclasses whose keys a recipe config may hold and this command does not use."""
+    from .cli import ShowMaskArguments
+
+    return (*extra, ShowMaskArguments, _SFTKeys)
+
+
+@dataclass
+class _SFTKeys:
+    # Keys of recipes/sft.py's own SFTArguments, so `hfacc verify --config` accepts a recipe config.
+    num_exact_match_examples: int = 0
+    max_new_tokens: int = 0
+    pad_to_multiple_of: int | None = None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

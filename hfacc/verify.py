@@ -1,0 +1,576 @@
+"""``hfacc verify``: is k accumulated micro-batches exactly one big batch, for *this* model and data?
+
+It takes one window of real data, computes the gradient twice from the same parameters in fp32 — by accumulation,
+exactly as training does it, and as one forward/backward of the whole window — and compares them. Then it names
+what breaks equivalence and why: batch-statistics layers, randomness (dropout), auxiliary losses computed per
+micro-batch, a loss that ignores ``num_items_in_batch`` (what stock ``transformers.Trainer`` would do with it), and
+the size of mixed-precision rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import TrainerCallback
+
+from .loss import LossSums, WindowCounts, normalize_window_loss
+from .objective import (
+    Objective,
+    compute_micro_batch_loss,
+    get_aux_loss,
+    get_base_model,
+    get_objective,
+    model_inputs,
+)
+from .trainer import get_gradient_scale
+
+PATHS = ("hfacc", "stock")
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VerifyArguments:
+    """Settings of ``hfacc verify`` (names as in ``TrainingArguments``, so a recipe config fits)."""
+
+    per_device_train_batch_size: int = field(default=2, metadata={"help": "Micro-batch size (per rank)."})
+    gradient_accumulation_steps: int = field(default=4, metadata={"help": "Micro-batches per optimizer step."})
+    normalization: str = field(default="token", metadata={"help": "'token', 'sequence' or 'micro_batch'."})
+    objective: str = field(default="auto", metadata={"help": "What a target is ('auto': from the model head)."})
+    tolerance: float = field(
+        default=1e-5, metadata={"help": "Largest relative L2 error of the whole gradient that counts as exact (fp32)."}
+    )
+    path: str = field(
+        default="hfacc",
+        metadata={
+            "help": "Which training path to verify: 'hfacc' (TokenWeightedTrainer) or 'stock' (what "
+            "transformers.Trainer does); the other one is reported for comparison.",
+            "choices": list(PATHS),
+        },
+    )
+    precisions: list[str] = field(
+        default_factory=lambda: ["bf16"],
+        metadata={"help": "Mixed precisions whose rounding is measured against fp32 (informational): bf16, fp16."},
+    )
+    num_worst: int = field(default=5, metadata={"help": "How many of the worst parameter tensors to list."})
+    seed: int = field(default=0, metadata={"help": "Seed of the data sampling and of random ops."})
+    json_path: str | None = field(default=None, metadata={"help": "Also write the report as JSON here."})
+
+    def __post_init__(self):
+        if self.per_device_train_batch_size < 1 or self.gradient_accumulation_steps < 1:
+            raise ValueError("per_device_train_batch_size and gradient_accumulation_steps must be >= 1.")
+        if self.path not in PATHS:
+            raise ValueError(f"path={self.path!r}: use one of {list(PATHS)}.")
+        if not self.tolerance > 0:
+            raise ValueError(f"tolerance={self.tolerance}: it must be > 0.")
+        bad = [p for p in self.precisions if p not in ("bf16", "fp16")]
+        if bad:
+            raise ValueError(f"precisions {bad}: use bf16 and/or fp16.")
+
+
+@dataclass
+class Finding:
+    """One check of an assumption behind equivalence."""
+
+    name: str
+    ok: bool
+    message: str
+    fix: str = ""
+
+
+@dataclass
+class VerifyReport:
+    passed: bool
+    path: str
+    error: float
+    tolerance: float
+    worst: list[tuple[str, float]]
+    other_path_error: float | None
+    precision_errors: dict[str, float]
+    findings: list[Finding]
+    window: dict[str, Any]
+    model: str
+
+    def format(self) -> str:
+        other = "stock transformers.Trainer" if self.path == "hfacc" else "hfacc TokenWeightedTrainer"
+        w = self.window
+        lines = [
+            "hfacc verify: do the accumulated micro-batches give the gradient of one big batch?",
+            "",
+            f"model       {self.model}",
+            f"window      {w['micro_batch_size']} per micro-batch x {w['accumulation_steps']} micro-batches x "
+            f"{w['world_size']} rank(s) = {w['examples']} examples, {w['num_targets']} targets",
+            f"            targets per micro-batch (rank 0): {w['targets_per_micro_batch']}",
+            f"objective   {w['objective']}, normalization '{w['normalization']}', path '{self.path}'",
+            "",
+            f"gradient, accumulated vs one big batch (fp32): relative error {self.error:.2e}"
+            f" (tolerance {self.tolerance:.0e})",
+            "worst parameter tensors:",
+            *[f"  {err:.2e}  {name}" for name, err in self.worst],
+        ]
+        if self.other_path_error is not None:
+            lines.append(f"for comparison, {other}: relative error {self.other_path_error:.2e}")
+        for precision, err in self.precision_errors.items():
+            lines.append(
+                f"{precision} autocast moves the accumulated gradient by {err:.2e} relative to fp32 "
+                "(rounding, not an accumulation error: a floor for any tolerance in that precision)"
+            )
+        lines += ["", "checks:"]
+        for f in self.findings:
+            lines.append(f"  [{'ok' if f.ok else '!!'}] {f.name}: {f.message}")
+            if not f.ok and f.fix:
+                lines.append(f"       fix: {f.fix}")
+        verdict = "PASS" if self.passed else "FAIL"
+        lines += [
+            "",
+            f"{verdict}: relative error {self.error:.2e} {'<=' if self.passed else '>'} {self.tolerance:.0e}",
+        ]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["findings"] = [f.__dict__ for f in self.findings]
+        return data
+
+
+def verify_accumulation(
+    model: nn.Module,
+    examples: Sequence[Mapping[str, Any]],
+    collate: Callable[[list], Mapping[str, torch.Tensor]],
+    *,
+    micro_batch_size: int = 2,
+    gradient_accumulation_steps: int = 4,
+    normalization: str = "token",
+    objective: Objective | str = "auto",
+    tolerance: float = 1e-5,
+    path: str = "hfacc",
+    precisions: Sequence[str] = ("bf16",),
+    num_worst: int = 5,
+    accelerator=None,
+    seed: int = 0,
+) -> VerifyReport:
+    """Compare the accumulated gradient of one window with the big-batch gradient, and diagnose the difference.
+
+    Args:
+        model: the model, as it will train (``train()`` mode is set here). A non-fp32 model is checked on an fp32 copy.
+        examples: at least ``micro_batch_size * gradient_accumulation_steps * world_size`` tokenized examples; the
+            first ones form the window (rank r takes the r-th block).
+        collate: turns a list of examples into a batch (e.g. ``DataCollatorForCausalLM``).
+        path: ``"hfacc"`` verifies TokenWeightedTrainer's loss; ``"stock"`` what ``transformers.Trainer`` does.
+        accelerator: an ``accelerate.Accelerator`` for the distributed check (several processes); None: one process.
+
+    Returns:
+        A :class:`VerifyReport`; ``report.passed`` when the relative L2 error is within ``tolerance``.
+    """
+    if accelerator is None:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=not torch.accelerator.is_available())
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per_rank = micro_batch_size * gradient_accumulation_steps
+    need = per_rank * world
+    if len(examples) < need:
+        raise ValueError(f"verify needs {need} examples for one window; got {len(examples)}.")
+    examples = list(examples[:need])
+    local = examples[rank * per_rank : (rank + 1) * per_rank]
+    micro_batches = [
+        _to(collate(local[i : i + micro_batch_size]), accelerator.device) for i in range(0, per_rank, micro_batch_size)
+    ]
+    full_batch = _to(collate(examples), accelerator.device)
+
+    base = get_base_model(model)
+    if any(p.dtype != torch.float32 for p in base.parameters() if p.is_floating_point()):
+        base = copy.deepcopy(base).float()
+        model = base
+    model.train()
+    if isinstance(objective, str):
+        objective = get_objective(model, full_batch, name=objective)
+    wrapped = accelerator.prepare_model(model) if world > 1 else model
+    named = [(n, p) for n, p in get_base_model(model).named_parameters() if p.requires_grad]
+
+    counts = torch.stack([objective.count(b).to(accelerator.device) for b in micro_batches])
+    totals = accelerator.reduce(counts.sum(0), reduction="sum") if world > 1 else counts.sum(0)
+    window = WindowCounts(int(totals[0]), int(totals[1]), len(micro_batches))
+    scale = get_gradient_scale(accelerator.distributed_type, world)
+
+    def accumulate(which: str, autocast: torch.dtype | None = None) -> torch.Tensor:
+        _zero(named)
+        torch.manual_seed(seed + 1 + rank)
+        for i, batch in enumerate(micro_batches):
+            sync = (
+                contextlib.nullcontext() if i == len(micro_batches) - 1 or world == 1 else accelerator.no_sync(wrapped)
+            )
+            amp = torch.autocast(accelerator.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+            with sync, amp:
+                if which == "hfacc":
+                    loss, _, _ = compute_micro_batch_loss(
+                        objective, wrapped, batch, window, normalization=normalization, world_size=scale
+                    )
+                else:
+                    loss = _stock_loss(wrapped, batch, objective, window, len(micro_batches), scale)
+                loss.backward()
+        return _flat(named)
+
+    def reference() -> torch.Tensor:
+        _zero(named)
+        torch.manual_seed(seed + 1)
+        inner = get_base_model(model) if world > 1 else model
+        outputs, sums = objective(inner, full_batch, per_sequence=normalization == "sequence")
+        if normalization == "micro_batch":
+            loss = _micro_batch_reference(inner, objective, examples, collate, micro_batch_size, accelerator.device)
+        else:
+            whole = WindowCounts(*_sequence_counts(sums), 1)
+            loss = normalize_window_loss(sums, whole, normalization=normalization)
+        aux = get_aux_loss(inner, outputs)  # the big batch's own router loss: what one big step would add
+        (loss if aux is None else loss + aux).backward()
+        return _flat(named)
+
+    ref = reference()
+    main = accumulate(path)
+    try:
+        other_error = _relative(accumulate("stock" if path == "hfacc" else "hfacc"), ref)
+    except (TypeError, KeyError, AttributeError, ValueError):  # e.g. stock needs a model that takes labels
+        other_error = None
+    error = _relative(main, ref)
+    sizes = [p.numel() for _, p in named]
+    per_tensor = [
+        (name, _relative(a, b))
+        for (name, _), a, b in zip(named, main.split(sizes), ref.split(sizes), strict=True)
+        if b.norm() > 0 or a.norm() > 0
+    ]
+    worst = sorted(per_tensor, key=lambda x: -x[1] if math.isfinite(x[1]) else -math.inf)[:num_worst]
+    precision_errors = {}
+    for precision in precisions:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        try:
+            precision_errors[precision] = _relative(accumulate(path, autocast=dtype), main)
+        except RuntimeError:  # e.g. fp16 autocast unsupported on this device
+            continue
+    _zero(named)
+    findings = diagnose(model, objective, micro_batches[0], path, normalization, window, micro_batches)
+    report = VerifyReport(
+        passed=bool(error <= tolerance),
+        path=path,
+        error=error,
+        tolerance=tolerance,
+        worst=worst,
+        other_path_error=other_error,
+        precision_errors=precision_errors,
+        findings=findings,
+        window={
+            "micro_batch_size": micro_batch_size,
+            "accumulation_steps": gradient_accumulation_steps,
+            "world_size": world,
+            "examples": need,
+            "num_targets": window.num_targets,
+            "targets_per_micro_batch": [int(c[0]) for c in counts],
+            "objective": objective.name,
+            "normalization": normalization,
+        },
+        model=f"{type(get_base_model(model)).__name__}, {sum(p.numel() for _, p in named) / 1e6:.2f} M trainable "
+        f"parameters, checked in fp32",
+    )
+    if not report.passed and all(f.ok for f in findings):
+        findings.append(
+            Finding(
+                "unexplained difference",
+                False,
+                "none of the known causes was found; the model may use batch-dependent operations hfacc cannot see "
+                "(e.g. batch-level normalization inside custom code)",
+                "compare micro-batch sizes 1 and 2 with this command to narrow it down",
+            )
+        )
+    return report
+
+
+def diagnose(model, objective, batch, path, normalization, window, micro_batches) -> list[Finding]:
+    """Inspect the model and the run for what breaks equivalence; each finding says why and how to fix it."""
+    base = get_base_model(model)
+    findings = []
+    batchnorms = [n for n, m in base.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    findings.append(
+        Finding(
+            "batch statistics",
+            not batchnorms,
+            f"BatchNorm in train mode normalizes with the statistics of each micro-batch: {batchnorms[:3]}"
+            if batchnorms
+            else "no BatchNorm (or other batch-statistics layer) in train mode",
+            "put those layers in eval mode (frozen statistics), or replace them with LayerNorm/GroupNorm",
+        )
+    )
+    dropouts = _active_dropout(base)
+    random_ops = _forward_is_random(model, batch)
+    if random_ops or dropouts:
+        why = "two identical forwards differ" if random_ops else "dropout is active (its masks also change gradients)"
+        message = (
+            f"{why}: random ops draw different values per micro-batch ({', '.join(dropouts[:4]) or 'unknown op'})"
+        )
+    else:
+        message = "two identical forwards agree and no dropout is active"
+    findings.append(
+        Finding(
+            "randomness",
+            not (random_ops or dropouts),
+            message,
+            "set dropout to 0 (config attention_dropout/hidden_dropout, lora_dropout) for an exact step; with "
+            "dropout the accumulated step is a different random draw of the same expected update",
+        )
+    )
+    config = getattr(base, "config", None)
+    aux = getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0)
+    findings.append(
+        Finding(
+            "auxiliary losses",
+            not aux,
+            f"the model adds a router load-balancing loss (coef {aux}) computed from each micro-batch's own routing "
+            "statistics; averaged over micro-batches it depends on how the window is split"
+            if aux
+            else "no auxiliary loss computed per micro-batch",
+            "accept it as an approximation, or turn it off (output_router_logits=False) when checking exactness",
+        )
+    )
+    if objective.exact:
+        findings.append(Finding("objective", True, f"'{objective.name}' counts targets exactly"))
+    else:
+        findings.append(
+            Finding(
+                "objective",
+                False,
+                f"'{objective.name}' uses the model's own mean loss: every micro-batch weighs the same",
+                "pass an hfacc.Objective (or FunctionObjective) that returns loss sums and target counts",
+            )
+        )
+    if path == "stock":
+        findings.append(_stock_finding(model, objective, micro_batches, window))
+    if normalization == "micro_batch":
+        findings.append(
+            Finding(
+                "normalization",
+                True,
+                "'micro_batch' is the mean of micro-batch means: exact for its own definition, which is not the "
+                "big-batch token mean unless all micro-batches have the same number of targets",
+            )
+        )
+    return findings
+
+
+def _stock_finding(model, objective, micro_batches, window) -> Finding:
+    accepts = _accepts_loss_kwargs(model)
+    counts = [int(objective.count(b)[0]) for b in micro_batches]
+    uneven = len(set(counts)) > 1
+    if not accepts:
+        return Finding(
+            "stock Trainer",
+            not uneven,
+            f"the model's forward has no **kwargs, so stock Trainer divides each micro-batch's mean loss by k: "
+            f"micro-batches of {counts} targets then weigh the same"
+            if uneven
+            else "stock Trainer divides each micro-batch mean by k; exact here only because all micro-batches have "
+            "the same number of targets",
+            "use hfacc.TokenWeightedTrainer (it counts the targets itself)",
+        )
+    batch = micro_batches[0]
+    with torch.no_grad():
+        plain = _own_loss(model(**batch))
+        told = _own_loss(model(**batch, num_items_in_batch=torch.tensor(max(window.num_targets, 1))))
+    if plain is not None and told is not None and torch.allclose(plain, told):
+        return Finding(
+            "stock Trainer",
+            False,
+            "the model's forward takes **kwargs, so stock Trainer passes num_items_in_batch and skips its own "
+            "division by k, but this model's loss ignores it: the accumulated gradient is about k times too large",
+            "use hfacc.TokenWeightedTrainer, or make the model's loss sum over targets and divide by num_items_in_batch",
+        )
+    return Finding(
+        "stock Trainer",
+        True,
+        "the model's loss consumes num_items_in_batch, so stock Trainer normalizes by the window",
+    )
+
+
+def _stock_loss(model, batch, objective, window, k, scale):
+    """What transformers.Trainer (5.x) backpropagates for one micro-batch, with average_tokens_across_devices."""
+    if _accepts_loss_kwargs(model):
+        n = torch.tensor(max(window.num_targets, 1), device=batch["labels"].device)
+        return _own_loss(model(**batch, num_items_in_batch=n)) * scale
+    return _own_loss(model(**batch)) / k
+
+
+def _own_loss(outputs) -> torch.Tensor:
+    """The loss a model computed itself (as Trainer reads it: ``outputs["loss"]`` or ``outputs[0]``)."""
+    return outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
+
+
+def _accepts_loss_kwargs(model) -> bool:
+    base = get_base_model(model)
+    if hasattr(base, "accepts_loss_kwargs"):
+        return bool(base.accepts_loss_kwargs)
+    params = inspect.signature(base.forward).parameters.values()
+    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _active_dropout(model) -> list[str]:
+    names = [
+        n or "model"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
+    ]
+    config = getattr(model, "config", None)
+    if config is not None:
+        for key, value in config.to_dict().items():
+            if "dropout" in key and isinstance(value, (int, float)) and value > 0:
+                names.append(f"config.{key}={value}")
+    return names
+
+
+def _forward_is_random(model, batch) -> bool:
+    inputs = model_inputs(batch)
+    with torch.no_grad():
+        a = _first_tensor(model(**inputs))
+        b = _first_tensor(model(**inputs))
+    return not torch.equal(a, b)
+
+
+def _first_tensor(outputs):
+    if torch.is_tensor(outputs):
+        return outputs
+    if isinstance(outputs, Mapping):
+        return next(v for v in outputs.values() if torch.is_tensor(v))
+    return outputs[0]
+
+
+def _micro_batch_reference(model, objective, examples, collate, size, device):
+    # 'micro_batch' is defined over micro-batches: the big-batch reference is the mean of all their means.
+    parts = [_to(collate(examples[i : i + size]), device) for i in range(0, len(examples), size)]
+    total = 0
+    for part in parts:
+        _, sums = objective(model, part)
+        total = total + sums.loss / sums.count.clamp(min=1)
+    return total / len(parts)
+
+
+def _sequence_counts(sums: LossSums) -> tuple[int, int]:
+    count = sums.count
+    return int(count.sum()), int((count > 0).sum()) if count.dim() else int(count > 0)
+
+
+def _zero(named):
+    for _, p in named:
+        p.grad = None
+
+
+def _flat(named) -> torch.Tensor:
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten() for _, p in named]
+    )
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    denominator = b.norm().item()
+    difference = (a - b).norm().item()
+    return difference / denominator if denominator > 0 else (0.0 if difference == 0 else math.inf)
+
+
+def _to(batch, device):
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+__all__ = [
+    "VerifyArguments",
+    "VerifyReport",
+    "Finding",
+    "verify_accumulation",
+    "diagnose",
+    "AccumulationAuditCallback",
+]
+
+
+class AccumulationAuditCallback(TrainerCallback):
+    """Audit one window every ``every_n_steps`` optimizer steps during training, and log the error.
+
+    Just before the optimizer step, the window's gradient is recomputed from the same parameters with every example
+    as its own micro-batch (same window normalization), and compared with the gradient training accumulated. Only
+    batch size 1 is ever run, so the audit needs no more memory than training. An exact setup gives fp32 rounding
+    (~1e-7); batch statistics, randomness or a mis-normalized loss show up as large errors. The error is logged as
+    ``accumulation_audit_error`` and a warning is printed above ``tolerance``. RNG states are restored afterwards,
+    so an audited run trains exactly like an unaudited one.
+
+    >>> trainer.add_callback(AccumulationAuditCallback(trainer, every_n_steps=100))  # doctest: +SKIP
+    """
+
+    def __init__(self, trainer, every_n_steps: int = 100, tolerance: float = 1e-4):
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps}: it must be >= 1.")
+        self.trainer, self.every_n_steps, self.tolerance = trainer, every_n_steps, tolerance
+        self.errors: list[tuple[int, float]] = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        step = state.global_step + 1
+        if step % self.every_n_steps or trainer.window is None or trainer.window.num_targets == 0:
+            return
+        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+            logger.warning("hfacc: the accumulation audit needs full local gradients; skipped under DeepSpeed/FSDP.")
+            return
+        error = audit_window(trainer)
+        self.errors.append((step, error))
+        trainer.meter.extra["accumulation_audit_error"] = error
+        if not error <= self.tolerance:
+            logger.warning(
+                "hfacc: step %d: the accumulated gradient differs from a per-example recomputation by %.2e (tolerance "
+                "%.0e); run `hfacc verify` on this model and data for a diagnosis.",
+                step,
+                error,
+                self.tolerance,
+            )
+
+
+def audit_window(trainer) -> float:
+    """Relative error between the trainer's accumulated gradient and a per-example recomputation of its window."""
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trained = _flat(named)
+    saved = [None if p.grad is None else p.grad.detach().clone() for _, p in named]
+    cpu_rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    accelerator, window, normalization = trainer.accelerator, trainer.window, trainer.normalization
+    scale = get_gradient_scale(accelerator.distributed_type, accelerator.num_processes)
+    try:
+        _zero(named)
+        for batch in trainer.window_batches:
+            batch = trainer._prepare_inputs(batch)
+            rows = batch["labels"].shape[0]
+            # 'micro_batch' is defined by the micro-batches themselves; the others are invariant to the split.
+            pieces = [batch] if normalization == "micro_batch" else [_rows(batch, i) for i in range(rows)]
+            for piece in pieces:
+                loss, _, _ = compute_micro_batch_loss(
+                    trainer.objective, model, piece, window, normalization=normalization, world_size=scale
+                )
+                loss.backward()
+        if accelerator.num_processes > 1:
+            for _, p in named:  # what DDP's all-reduce does to the trained gradient
+                if p.grad is not None:
+                    p.grad = accelerator.reduce(p.grad, reduction="mean")
+        if trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0:
+            # The trained gradient was clipped already; clip the recomputed one the same way.
+            torch.nn.utils.clip_grad_norm_([p for _, p in named], trainer.args.max_grad_norm)
+        recomputed = _flat(named)
+    finally:
+        for (_, p), g in zip(named, saved, strict=True):
+            p.grad = g
+        torch.random.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    return _relative(recomputed, trained)
+
+
+def _rows(batch, i):
+    return {k: v[i : i + 1] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
