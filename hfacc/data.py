@@ -110,6 +110,7 @@ def build_sft_dataset(
         raise DataError("The tokenizer has no eos_token; set tokenizer.eos_token so completions can end.")
 
     def encode(row: Mapping[str, Any], index: int) -> dict[str, Any]:
+        index = row.get(SOURCE_ROW, index)
         if format == "text":
             ids, labels = tokenize_text(tokenizer, _string(row, "text", index))
         elif format == "prompt_completion":
@@ -324,6 +325,7 @@ def render_mask(tokenizer, input_ids: Sequence[int], labels: Sequence[int], colo
     return "".join(pieces)
 
 
+SOURCE_ROW = "_source_row"
 LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -356,10 +358,18 @@ def load_sft_source(
         if path.suffix in LOCAL_FORMATS:
             if not path.is_file():
                 raise DataError(f"dataset {name_or_path}: no such file.")
-            data, held_out = (
-                datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train"),
-                None,
-            )
+            if path.suffix in (".json", ".jsonl"):
+                # Check the rows as written, before Arrow unifies types (it turns "4" into 4 when another row
+                # holds a number), so an error names the row and line that is really wrong.
+                validate_json_file(path)
+            try:
+                data = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+            except Exception as err:  # pyarrow errors name neither the row nor the fix
+                raise DataError(
+                    f"{path} cannot be read as {LOCAL_FORMATS[path.suffix]}: {err}. Check that every row is valid "
+                    "and that each column has one type throughout."
+                ) from err
+            held_out = None
         elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
             loaded = datasets.load_from_disk(str(path))
             data, held_out = _pick_splits(loaded, split, eval_split, name_or_path)
@@ -368,6 +378,10 @@ def load_sft_source(
             data, held_out = _pick_splits(loaded, split, eval_split, name_or_path)
     if max_examples is not None:
         data = data.select(range(min(max_examples, len(data))))
+    # Errors found later (in build_sft_dataset) name the row of the source, not of a shuffled split.
+    data = data.add_column(SOURCE_ROW, list(range(len(data))))
+    if held_out is not None:
+        held_out = held_out.add_column(SOURCE_ROW, list(range(len(held_out))))
     if held_out is None:
         if not 0 < eval_fraction < 1:
             raise DataError(
@@ -376,6 +390,52 @@ def load_sft_source(
         parts = data.train_test_split(test_size=eval_fraction, seed=seed)
         data, held_out = parts["train"], parts["test"]
     return data, held_out
+
+
+def validate_json_file(path: str | Path) -> None:
+    """Parse a .json/.jsonl file with Python's json and check every row's fields; DataError names row and line."""
+    import json
+
+    path = Path(path)
+    records: list[tuple[str, Any]] = []
+    if path.suffix == ".jsonl":
+        with open(path) as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append((f"{len(records)} (line {number} of {path.name})", json.loads(line)))
+                except ValueError as err:
+                    raise DataError(f"{path}: line {number} is not valid JSON ({err}).") from err
+    else:
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as err:
+            raise DataError(f"{path} is not valid JSON ({err}).") from err
+        rows = data if isinstance(data, list) else next((v for v in data.values() if isinstance(v, list)), None)
+        if rows is None:
+            raise DataError(f"{path}: expected a list of rows (or an object holding one).")
+        records = [(f"{i} of {path.name}", row) for i, row in enumerate(rows)]
+    if not records:
+        raise DataError(f"{path} holds no rows.")
+    for label, row in records:
+        if not isinstance(row, Mapping):
+            raise DataError(f"row {label}: expected an object with named fields, got {type(row).__name__}.")
+    format = detect_format(list(records[0][1]))
+    for label, row in records:
+        missing = [c for c in FORMAT_COLUMNS[format] if c not in row]
+        if missing:
+            raise DataError(f"row {label}: no field {missing[0]!r}, which the other rows ({format} format) have.")
+        if format == "messages":
+            _messages(row["messages"], label, "messages", need_assistant=True)
+        elif format == "text":
+            _string(row, "text", label)
+        elif _is_conversation(row["prompt"]) or _is_conversation(row["completion"]):
+            _messages(row["prompt"], label, "prompt", need_assistant=False)
+            _messages(row["completion"], label, "completion", need_assistant=True)
+        else:
+            _string(row, "prompt", label, allow_empty=True)
+            _string(row, "completion", label)
 
 
 def _pick_splits(loaded, split, eval_split, name):

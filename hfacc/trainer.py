@@ -28,7 +28,9 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .checkpoint import mark_checkpoint_complete, resolve_checkpoint, rotate_checkpoints
 from .loss import NORMALIZATIONS, LossSums, WindowCounts
 from .objective import OBJECTIVES, ModelLossObjective, Objective, compute_micro_batch_loss, get_objective
 
@@ -265,10 +267,34 @@ class TokenWeightedTrainer(Trainer):
                 output.metrics[f"{metric_key_prefix}_token_accuracy"] = correct / max(count, 1)
         return output
 
-    def train(self, *args, **kwargs):
-        output = super().train(*args, **kwargs)
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint."""
+        resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
         # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
         return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The stock checkpoint, then a completion marker, then rotation: a crash mid-save never costs the last good one.
+
+        Stock Trainer rotates old checkpoints inside the save; with ``save_total_limit=1`` a crash right after could
+        leave only a half-written checkpoint. Here rotation waits until the new checkpoint is marked complete.
+        """
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        run_dir = self._get_output_dir(trial=trial)
+        if self.args.should_save:
+            mark_checkpoint_complete(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
 
     def _has_accuracy(self) -> bool:
         return self.objective is not None and self.objective.has_accuracy

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from transformers import set_seed
-from transformers.trainer_utils import get_last_checkpoint
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer
 from hfacc.config import parse_args
@@ -57,10 +56,7 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         processing_class=tokenizer,
     )
     before = trainer.evaluate()
-    resume = args.resume_from_checkpoint
-    if resume in ("last", "true", "True"):
-        resume = get_last_checkpoint(args.output_dir)
-    train_result = trainer.train(resume_from_checkpoint=resume)
+    train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # "last": newest complete one
     after = trainer.evaluate()
     trainer.save_model()
 

@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 
 from hfacc import DataCollatorForCausalLM
-from hfacc.data import DataError, build_sft_dataset, render_mask, tokenize_messages, tokenize_prompt_completion
+from hfacc.data import build_sft_dataset, render_mask, tokenize_messages, tokenize_prompt_completion
 from hfacc.embedded import build_bpe_tokenizer, build_default_tokenizer
 
 CHATML = (
@@ -151,16 +151,6 @@ def test_build_sft_dataset_detects_the_format_and_truncates(caplog):
     assert "1 of 2 examples exceed max_length=50 and were truncated" in caplog.text
 
 
-def test_examples_without_targets_after_truncation_are_dropped_and_counted(caplog):
-    tokenizer = build_default_tokenizer()
-    long_prompt = {"prompt": "word " * 200, "completion": "answer"}
-    rows = [long_prompt, {"prompt": "2+2=", "completion": "4"}]
-    with caplog.at_level(logging.WARNING, logger="hfacc"):
-        ds = build_sft_dataset(Dataset.from_list(rows), tokenizer, max_length=16)
-    assert len(ds) == 1
-    assert "1 of 2 examples have no target token" in caplog.text
-
-
 def test_render_mask_highlights_trained_tokens():
     tokenizer = make_tokenizer("chatml")
     ids, labels = tokenize_messages(tokenizer, CONVERSATION[1:3])
@@ -175,8 +165,3 @@ def test_collator_pads_right_to_a_multiple():
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]
     assert batch["labels"].tolist() == [[1, 2, 3, -100, -100, -100, -100, -100]]
     assert batch["input_ids"].dtype == torch.long
-
-
-def test_unknown_format_suggests_the_column_name():
-    with pytest.raises(DataError, match="'mesages' -> 'messages'"):
-        build_sft_dataset(Dataset.from_list([{"mesages": []}]), build_default_tokenizer())
