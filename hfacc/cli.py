@@ -98,6 +98,7 @@ def run_verify(argv: list[str]) -> int:
         num_worst=verify_args.num_worst,
         accelerator=accelerator,
         seed=verify_args.seed,
+        fused_loss=verify_args.fused_loss,
     )
     if accelerator.is_main_process:
         print(report.format(), flush=True)

@@ -22,6 +22,8 @@ class DataCollatorForCausalLM:
         max_length: truncate longer examples to this many tokens (``None``: no truncation here).
 
     Examples keep their ``labels``; an example without labels is trained on every token (``labels = input_ids``).
+    Packed rows (examples with ``position_ids``) get ``position_ids`` and no ``attention_mask``: see
+    :func:`hfacc.batching.pack_examples`.
 
     >>> collate = DataCollatorForCausalLM(pad_token_id=0)
     >>> batch = collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9]}])
@@ -65,7 +67,16 @@ class DataCollatorForCausalLM:
             "labels": _pad(labels, length, IGNORE_INDEX),
         }
         if all(e.get("position_ids") is not None for e in examples):
-            batch["position_ids"] = _pad([list(e["position_ids"])[: self.max_length] for e in examples], length, 0)
+            # Packed rows (hfacc.batching.pack_examples): transformers keeps the sequences of a row apart only when
+            # it gets position_ids and no attention_mask. The padding becomes one more sequence of its own
+            # (positions 0, 1, ...), attended by nothing else and carrying no targets.
+            del batch["attention_mask"]
+            batch["position_ids"] = torch.stack(
+                [
+                    torch.tensor(list(e["position_ids"])[: self.max_length] + list(range(length - len(x))))
+                    for e, x in zip(examples, ids, strict=True)
+                ]
+            )
         return batch
 
 

@@ -487,12 +487,21 @@ class DataArguments:
     last_turn_only: bool = field(
         default=False, metadata={"help": "Chat data: train on the last assistant turn only (default: all of them)."}
     )
+    packing: bool = field(
+        default=False,
+        metadata={
+            "help": "Pack training examples into rows of max_length tokens (best-fit decreasing), sequences "
+            "kept apart by restarting position_ids; checked once against unpacked runs. Exact."
+        },
+    )
 
     def __post_init__(self):
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length={self.max_length}: an example needs at least 2 tokens.")
         if self.max_examples is not None and self.max_examples < 1:
             raise ValueError(f"max_examples={self.max_examples}: it must be >= 1 (or unset).")
+        if self.packing and self.max_length is None:
+            raise ValueError("packing=True needs max_length: it is the length of the packed rows.")
 
 
 def build_datasets(args: DataArguments, tokenizer, seed: int = 0):
@@ -513,8 +522,9 @@ def build_datasets(args: DataArguments, tokenizer, seed: int = 0):
         last_turn_only=args.last_turn_only,
         truncation=args.truncation,
     )
-    return (
-        build_sft_dataset(raw_train, tokenizer, **options),
-        build_sft_dataset(raw_eval, tokenizer, **options),
-        raw_eval,
-    )
+    train = build_sft_dataset(raw_train, tokenizer, **options)
+    if args.packing:
+        from .batching import pack_dataset
+
+        train = pack_dataset(train, args.max_length)
+    return train, build_sft_dataset(raw_eval, tokenizer, **options), raw_eval

@@ -13,6 +13,7 @@ except for :class:`ModelLossObjective`, the explicit fallback for losses hfacc c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,7 +28,9 @@ from .loss import (
     binary_cross_entropy_sums,
     count_targets,
     cross_entropy_sums,
+    fused_linear_cross_entropy_sums,
     normalize_window_loss,
+    per_sequence_sums,
     shift_labels,
     squared_error_sums,
 )
@@ -83,19 +86,49 @@ class CausalLMObjective(Objective):
     """Next-token prediction: ``logits[:, i]`` is scored against ``labels[:, i + 1]`` (labels != -100).
 
     A batch may carry ``shift_labels`` (already aligned, e.g. from a padding-free collator); they are used as is.
+    Packed rows (``position_ids`` that restart, no ``attention_mask``) run with ``use_cache=False``: with a cache,
+    transformers does not keep packed sequences apart.
+
+    With ``fused=True`` the output projection is swapped, for the length of one forward, for a module that computes
+    the loss sums from the final hidden states in chunks (:func:`hfacc.loss.fused_linear_cross_entropy_sums`), so
+    the full ``[B, T, V]`` logits never exist; the model's output then holds the loss sum where its logits would be.
+    The swap happens inside the model's own forward, so DDP sees every parameter it expects. :func:`check_fused_loss`
+    decides whether a model can be taken apart like this.
     """
 
     name = "causal_lm"
+
+    def __init__(self, label_smoothing: float = 0.0, fused: bool = False, chunk_size: int = 0):
+        super().__init__(label_smoothing)
+        self.fused, self.chunk_size = fused, chunk_size
+        self.fused_in_eval = True  # False when evaluation needs the logits (compute_metrics)
 
     def count(self, batch):
         targets = self._targets(batch) != IGNORE_INDEX
         return torch.stack([targets.sum(), targets.any(-1).sum()])
 
     def __call__(self, model, batch, per_sequence=False):
-        outputs = model(**model_inputs(batch))
+        inputs = model_inputs(batch)
+        if inputs.get("position_ids") is not None and inputs.get("attention_mask") is None:
+            inputs["use_cache"] = False
+        targets = self._targets(batch)
+        if self.fused and (model.training or self.fused_in_eval) and not (per_sequence and torch.is_grad_enabled()):
+            return self._fused(model, inputs, targets, per_sequence)
+        outputs = model(**inputs)
         sums = cross_entropy_sums(
-            get_logits(outputs), self._targets(batch), label_smoothing=self.label_smoothing, per_sequence=per_sequence
+            get_logits(outputs), targets, label_smoothing=self.label_smoothing, per_sequence=per_sequence
         )
+        return outputs, sums
+
+    def _fused(self, model, inputs, targets, per_sequence):
+        head = _FusedOutputHead(
+            get_base_model(model).get_output_embeddings(), targets, self.chunk_size, self.label_smoothing
+        )
+        with swap_output_head(model, head):
+            outputs = model(**inputs)
+        sums, per_target, correct = head.result
+        if per_sequence:  # evaluation: per-sequence sums for the exact cross-rank eval metrics, no gradient needed
+            sums = per_sequence_sums(per_target, correct, targets != IGNORE_INDEX)
         return outputs, sums
 
     @staticmethod
@@ -103,6 +136,93 @@ class CausalLMObjective(Objective):
         if batch.get("shift_labels") is not None:
             return batch["shift_labels"]
         return shift_labels(batch["labels"])
+
+
+class _FusedOutputHead(nn.Module):
+    """Stands in for the output projection during one forward and returns the loss sum instead of logits."""
+
+    def __init__(self, head: nn.Linear, targets: torch.Tensor, chunk_size: int, label_smoothing: float):
+        super().__init__()
+        self.head, self.targets, self.chunk_size, self.label_smoothing = head, targets, chunk_size, label_smoothing
+        self.result = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:-1] != self.targets.shape:
+            raise RuntimeError(
+                f"fused loss: hidden states {tuple(hidden.shape)} do not match labels {tuple(self.targets.shape)}"
+            )
+        mask = self.targets != IGNORE_INDEX
+        self.result = fused_linear_cross_entropy_sums(
+            hidden[mask],
+            self.head.weight,
+            self.head.bias,
+            self.targets[mask],
+            chunk_size=self.chunk_size,
+            label_smoothing=self.label_smoothing,
+        )
+        return self.result[0].loss
+
+
+@contextlib.contextmanager
+def swap_output_head(model: nn.Module, head: nn.Module):
+    """Put ``head`` in place of ``model``'s output projection for the duration of the block."""
+    base = get_base_model(model)
+    original = base.get_output_embeddings()
+    base.set_output_embeddings(head)
+    try:
+        yield
+    finally:
+        base.set_output_embeddings(original)
+
+
+def fused_loss_problem(model: nn.Module) -> str | None:
+    """Why ``model``'s loss cannot be fused with its output projection, or None if it can be tried."""
+    base = get_base_model(model)
+    get_head = getattr(base, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None or not callable(getattr(base, "set_output_embeddings", None)):
+        return f"{type(base).__name__} has no get/set_output_embeddings"
+    if type(head) is not nn.Linear:
+        return f"its output projection is a {type(head).__name__} (e.g. adapted by LoRA), not a plain nn.Linear"
+    if type(head.weight) is not nn.Parameter or head.weight.dim() != 2 or head.weight.numel() == 0:
+        return "its output projection's weight is sharded or not a plain 2-D parameter (FSDP/ZeRO-3)"
+    return None
+
+
+@torch.no_grad()
+def check_fused_loss(objective: CausalLMObjective, model: nn.Module, batch: Mapping[str, Any]) -> str | None:
+    """Run one micro-batch both ways; None if the fused loss sum matches the plain one, else why not.
+
+    This catches whatever a model does after its output projection (logit soft-capping, scaling) that the fused
+    path would skip: those models fall back to the plain path.
+    """
+    problem = fused_loss_problem(model)
+    if problem is not None:
+        return problem
+    was_training = model.training
+    model.eval()  # dropout would make the two runs differ for reasons that have nothing to do with the fusion
+    try:
+        fused, plain = (
+            CausalLMObjective(objective.label_smoothing, fused=f, chunk_size=objective.chunk_size)
+            for f in (True, False)
+        )
+        try:
+            outputs, a = fused(model, batch)
+        except Exception as err:  # a model whose forward does something unexpected with the projection's output
+            return f"the fused forward failed ({type(err).__name__}: {err})"
+        _, b = plain(model, batch)
+    finally:
+        model.train(was_training)
+    returned = get_logits(outputs)
+    if returned.shape != a.loss.shape or not torch.equal(returned.to(a.loss.dtype), a.loss):
+        # What came out is not what the projection produced: the model transforms its logits (soft-capping,
+        # scaling), which the fused loss would skip.
+        return "the model post-processes its logits (e.g. soft-capping or scaling)"
+    tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 2e-2
+    difference = (a.loss - b.loss).abs().item() / max(b.loss.abs().item(), 1e-12)
+    if a.count != b.count or not difference <= tolerance:
+        return f"the fused loss differs from the model's own logits by {difference:.1e} (it post-processes its logits)"
+    return None
 
 
 class TokenObjective(Objective):

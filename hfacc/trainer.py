@@ -25,14 +25,25 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
+import datasets
 import torch
 from accelerate.utils import DistributedType
+from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .batching import TokenBudgetBatchSampler, check_packing, is_packed
 from .checkpoint import mark_checkpoint_complete, resolve_checkpoint, rotate_checkpoints
 from .loss import NORMALIZATIONS, LossSums, WindowCounts
-from .objective import OBJECTIVES, ModelLossObjective, Objective, compute_micro_batch_loss, get_objective
+from .objective import (
+    OBJECTIVES,
+    CausalLMObjective,
+    ModelLossObjective,
+    Objective,
+    check_fused_loss,
+    compute_micro_batch_loss,
+    get_objective,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +66,25 @@ class TokenWeightedArguments(TrainingArguments):
             "help": "What a target is: 'auto' (from the model head and labels) or one of "
             + ", ".join(sorted(OBJECTIVES))
             + "."
+        },
+    )
+    fused_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Causal LMs: compute the output projection and cross-entropy together in chunks over the "
+            "target positions only, so the full logits never exist (less memory, faster; exact). Models that "
+            "post-process their logits fall back to the plain path by themselves."
+        },
+    )
+    loss_chunk_size: int = field(
+        default=0, metadata={"help": "Target tokens per chunk of the fused loss (0: about 64 MiB of fp32 logits)."}
+    )
+    max_tokens_per_batch: int = field(
+        default=0,
+        metadata={
+            "help": "Build training micro-batches to this many padded tokens (rows x longest row) instead of a "
+            "fixed per_device_train_batch_size: sequences of similar length go together, so padding is small "
+            "and memory bounded. Exact: the window is normalized by its target count. 0: off."
         },
     )
     skip_nonfinite_steps: bool = field(
@@ -93,6 +123,10 @@ def validate_settings(args: Any) -> None:
     objective = getattr(args, "objective", "auto")
     if objective != "auto" and objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is not supported; use 'auto' or one of {sorted(OBJECTIVES)}.")
+    if getattr(args, "max_tokens_per_batch", 0) < 0:
+        raise ValueError("max_tokens_per_batch must be >= 0 (0 keeps per_device_train_batch_size batches).")
+    if getattr(args, "loss_chunk_size", 0) < 0:
+        raise ValueError("loss_chunk_size must be >= 0 (0 picks a size from the vocabulary).")
     if getattr(args, "audit_every_n_steps", 0) < 0:
         raise ValueError("audit_every_n_steps must be >= 0 (0 turns the audit off).")
     if getattr(args, "max_skipped_steps", 0) < 0:
@@ -171,6 +205,7 @@ class TokenWeightedTrainer(Trainer):
             self.label_names = ["labels"]
         self.window: WindowCounts | None = None
         self.window_batches: list = []
+        self._packing_checked = False
         self._window_left = 0
         self.meter = LossMeter(self.args.device)
         if getattr(self.args, "audit_every_n_steps", 0):
@@ -180,11 +215,49 @@ class TokenWeightedTrainer(Trainer):
             self.add_callback(AccumulationAuditCallback(self, every_n_steps=self.args.audit_every_n_steps))
         self.add_callback(_WindowGuard(self))
 
+    # ---- data: micro-batches to a token budget ----------------------------------------------------------------
+    def get_train_dataloader(self) -> DataLoader:
+        """Stock dataloader, or micro-batches built to ``max_tokens_per_batch`` padded tokens when it is set."""
+        budget = getattr(self.args, "max_tokens_per_batch", 0)
+        if not budget:
+            return super().get_train_dataloader()
+        dataset, collator = self.train_dataset, self.data_collator
+        if isinstance(dataset, datasets.Dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        if not hasattr(dataset, "__getitem__") or "input_ids" not in dataset[0]:
+            raise ValueError("max_tokens_per_batch needs a map-style dataset whose examples have 'input_ids'.")
+        lengths = dataset["input_ids"] if isinstance(dataset, datasets.Dataset) else [e["input_ids"] for e in dataset]
+        sampler = TokenBudgetBatchSampler(
+            [len(x) for x in lengths],
+            budget,
+            shuffle=self.args.train_sampling_strategy != "sequential",
+            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+        )
+        logger.info(
+            "hfacc: %d micro-batches of <= %d padded tokens per epoch (%.1f %% padding).",
+            len(sampler),
+            budget,
+            100 * sampler.padding_fraction,
+        )
+        loader = DataLoader(
+            dataset,
+            batch_sampler=sampler,
+            collate_fn=collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
+        )
+        return self.accelerator.prepare(loader)
+
     # ---- counting: once per window --------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
         """Collect the window's micro-batches and count their targets over all ranks (one collective)."""
         batch_samples = list(islice(epoch_iterator, num_batches))
         self.window_batches = batch_samples  # the Trainer holds these for the whole window anyway
+        if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
+            self._check_packing(batch_samples[0])
         self.window = self.count_window(batch_samples, device)
         self._window_left = len(batch_samples)
         self.meter.start_window()
@@ -194,6 +267,16 @@ class TokenWeightedTrainer(Trainer):
         # Replaces the stock count (and its cross-rank gather) wherever the Trainer asks for it, e.g. in
         # `prediction_step`: hfacc computes its own counts and never hands `num_items_in_batch` to the model.
         return None
+
+    def _check_packing(self, batch) -> None:
+        self._packing_checked = True
+        problem = check_packing(self.model, self._prepare_inputs(batch))
+        if problem:
+            raise RuntimeError(
+                f"hfacc: {problem}. Turn packing off (recipe: --packing false) or use an attention implementation "
+                "that supports packed sequences (attn_implementation='sdpa' or 'flash_attention_2')."
+            )
+        logger.info("hfacc: packed rows checked: each sequence's logits match its unpacked run.")
 
     def count_window(self, batch_samples: list[Mapping[str, Any]], device: torch.device) -> WindowCounts:
         """:class:`WindowCounts` of ``batch_samples`` summed over all data-parallel ranks."""
@@ -211,10 +294,32 @@ class TokenWeightedTrainer(Trainer):
             self.objective = get_objective(
                 self.model, batch, name=self._objective_setting, label_smoothing=self.args.label_smoothing_factor
             )
+            if isinstance(self.objective, CausalLMObjective):
+                self._setup_fused_loss(self.objective, batch)
             logger.info("hfacc: objective %s, normalization %r", self.objective, self.normalization)
             if isinstance(self.objective, ModelLossObjective) and self.normalization != "micro_batch":
                 logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
         return self.objective
+
+    def _setup_fused_loss(self, objective: CausalLMObjective, batch: Mapping[str, Any]) -> None:
+        objective.chunk_size = getattr(self.args, "loss_chunk_size", 0)
+        objective.fused_in_eval = self.compute_metrics is None  # compute_metrics needs real logits
+        if not getattr(self.args, "fused_loss", True):
+            return
+        if self.normalization == "sequence":
+            problem = "normalization='sequence' weighs targets unequally"
+        elif self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            problem = "parameters are sharded (FSDP/DeepSpeed)"
+        else:
+            problem = check_fused_loss(objective, self.model, self._prepare_inputs(batch))
+        ok = torch.tensor([0.0 if problem else 1.0], device=self.args.device)
+        if self.accelerator.num_processes > 1:  # every rank must take the same path
+            ok = self.accelerator.reduce(ok, reduction="min")
+        objective.fused = bool(ok.item())
+        if objective.fused:
+            logger.info("hfacc: fused chunked cross-entropy: the full logits are never materialized.")
+        else:
+            logger.warning("hfacc: plain loss path (full logits): %s.", problem or "another rank could not fuse")
 
     # ---- the loss: once per micro-batch ---------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -24,7 +24,9 @@ from transformers import TrainerCallback
 
 from .loss import LossSums, WindowCounts, normalize_window_loss
 from .objective import (
+    CausalLMObjective,
     Objective,
+    check_fused_loss,
     compute_micro_batch_loss,
     get_aux_loss,
     get_base_model,
@@ -62,6 +64,9 @@ class VerifyArguments:
     )
     num_worst: int = field(default=5, metadata={"help": "How many of the worst parameter tensors to list."})
     seed: int = field(default=0, metadata={"help": "Seed of the data sampling and of random ops."})
+    fused_loss: bool = field(
+        default=True, metadata={"help": "Accumulate through the fused chunked loss where training would use it."}
+    )
     json_path: str | None = field(default=None, metadata={"help": "Also write the report as JSON here."})
 
     def __post_init__(self):
@@ -110,6 +115,7 @@ class VerifyReport:
             f"{w['world_size']} rank(s) = {w['examples']} examples, {w['num_targets']} targets",
             f"            targets per micro-batch (rank 0): {w['targets_per_micro_batch']}",
             f"objective   {w['objective']}, normalization '{w['normalization']}', path '{self.path}'",
+            f"loss        {w.get('loss_path', 'plain')}",
             "",
             f"gradient, accumulated vs one big batch (fp32): relative error {self.error:.2e}"
             f" (tolerance {self.tolerance:.0e})",
@@ -156,6 +162,7 @@ def verify_accumulation(
     num_worst: int = 5,
     accelerator=None,
     seed: int = 0,
+    fused_loss: bool = True,
 ) -> VerifyReport:
     """Compare the accumulated gradient of one window with the big-batch gradient, and diagnose the difference.
 
@@ -166,6 +173,8 @@ def verify_accumulation(
         collate: turns a list of examples into a batch (e.g. ``DataCollatorForCausalLM``).
         path: ``"hfacc"`` verifies TokenWeightedTrainer's loss; ``"stock"`` what ``transformers.Trainer`` does.
         accelerator: an ``accelerate.Accelerator`` for the distributed check (several processes); None: one process.
+        fused_loss: accumulate through the fused chunked cross-entropy where training would (the reference always
+            uses the full logits).
 
     Returns:
         A :class:`VerifyReport`; ``report.passed`` when the relative L2 error is within ``tolerance``.
@@ -193,6 +202,19 @@ def verify_accumulation(
     model.train()
     if isinstance(objective, str):
         objective = get_objective(model, full_batch, name=objective)
+    # The reference always takes the plain path (full logits); the accumulation takes the path training takes.
+    reference_objective = copy.copy(objective)
+    loss_path = "plain"
+    if isinstance(objective, CausalLMObjective):
+        reference_objective.fused = False
+        problem = (
+            check_fused_loss(objective, model, micro_batches[0])
+            if fused_loss and normalization != "sequence"
+            else "off"
+        )
+        ok = torch.tensor([0.0 if problem else 1.0], device=accelerator.device)
+        objective.fused = bool((accelerator.reduce(ok, reduction="min") if world > 1 else ok).item())
+        loss_path = "fused chunked cross-entropy" if objective.fused else f"plain ({problem})"
     wrapped = accelerator.prepare_model(model) if world > 1 else model
     named = [(n, p) for n, p in get_base_model(model).named_parameters() if p.requires_grad]
 
@@ -223,9 +245,11 @@ def verify_accumulation(
         _zero(named)
         torch.manual_seed(seed + 1)
         inner = get_base_model(model) if world > 1 else model
-        outputs, sums = objective(inner, full_batch, per_sequence=normalization == "sequence")
+        outputs, sums = reference_objective(inner, full_batch, per_sequence=normalization == "sequence")
         if normalization == "micro_batch":
-            loss = _micro_batch_reference(inner, objective, examples, collate, micro_batch_size, accelerator.device)
+            loss = _micro_batch_reference(
+                inner, reference_objective, examples, collate, micro_batch_size, accelerator.device
+            )
         else:
             whole = WindowCounts(*_sequence_counts(sums), 1)
             loss = normalize_window_loss(sums, whole, normalization=normalization)
@@ -274,6 +298,7 @@ def verify_accumulation(
             "targets_per_micro_batch": [int(c[0]) for c in counts],
             "objective": objective.name,
             "normalization": normalization,
+            "loss_path": loss_path,
         },
         model=f"{type(get_base_model(model)).__name__}, {sum(p.numel() for _, p in named) / 1e6:.2f} M trainable "
         f"parameters, checked in fp32",

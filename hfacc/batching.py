@@ -1,0 +1,188 @@
+"""Less padding: micro-batches built to a token budget, and packing of several sequences per row.
+
+Both change which examples share a micro-batch, and how many. Under hfacc that changes nothing in the result:
+the window's loss is normalized by its global target count, not by the number of micro-batches or sequences, so a
+window is the same big batch however it was cut.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import random
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.utils.data import Sampler
+
+from .loss import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
+
+
+class TokenBudgetBatchSampler(Sampler[list[int]]):
+    """Micro-batches whose padded size (rows x longest row) stays within ``max_tokens``.
+
+    Examples are sorted by length and cut greedily into micro-batches (as fairseq's ``batch_by_size`` does), so a
+    micro-batch holds sequences of similar length: little padding, bounded memory. The composition of the
+    micro-batches is fixed; their order is shuffled every epoch (seeded by ``seed`` and the epoch, so a resumed run
+    sees the same order). The number of micro-batches is the same every epoch, as the Trainer requires.
+
+    Args:
+        lengths: length of every example in tokens.
+        max_tokens: most padded tokens per micro-batch. A longer example gets a micro-batch of its own.
+        max_batch_size: most sequences per micro-batch (0: no limit).
+        shuffle: shuffle the order of the micro-batches every epoch.
+        seed: seed of the shuffle.
+
+    >>> sampler = TokenBudgetBatchSampler([5, 9, 3, 8, 4], max_tokens=16, shuffle=False)
+    >>> list(sampler)  # lengths 9 | 8 + 5 | 4 + 3: at most 16 padded tokens each
+    [[1], [3, 0], [4, 2]]
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        max_tokens: int,
+        max_batch_size: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens}: it must be >= 1.")
+        self.max_tokens, self.max_batch_size, self.shuffle, self.seed = max_tokens, max_batch_size, shuffle, seed
+        self.epoch = 0
+        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+        batches, current, longest = [], [], 0
+        oversized = 0
+        for i in order:
+            grown = max(longest, lengths[i]) * (len(current) + 1)
+            full = self.max_batch_size and len(current) >= self.max_batch_size
+            if current and (grown > max_tokens or full):
+                batches.append(current)
+                current, longest = [], 0
+            oversized += lengths[i] > max_tokens
+            current.append(i)
+            longest = max(longest, lengths[i])
+        if current:
+            batches.append(current)
+        if oversized:
+            logger.warning(
+                "hfacc: %d example(s) are longer than max_tokens_per_batch=%d; each gets a micro-batch of its own.",
+                oversized,
+                max_tokens,
+            )
+        self.batches = batches
+        self.padded_tokens = sum(max(lengths[i] for i in b) * len(b) for b in batches)
+        self.real_tokens = sum(lengths)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = list(self.batches)
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(batches)
+        yield from batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    @property
+    def padding_fraction(self) -> float:
+        return 1 - self.real_tokens / max(self.padded_tokens, 1)
+
+
+def pack_examples(examples: Sequence[dict], max_length: int) -> list[dict]:
+    """Pack tokenized examples into rows of at most ``max_length`` tokens, best-fit decreasing.
+
+    Each row gets ``position_ids`` that restart at 0 for every sequence, which is how transformers (5.x) tells
+    packed sequences apart: with no ``attention_mask`` and no cache, it builds a block-diagonal causal mask (sdpa,
+    eager) or uses variable-length kernels (flash attention). The label of each sequence's first token is set to
+    -100: in a row, the previous sequence's last position would otherwise learn to predict it, a target the
+    unpacked sequence never had. So the targets are exactly those of the unpacked examples.
+
+    >>> rows = pack_examples([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}], 8)
+    >>> rows[0]["input_ids"], rows[0]["labels"], rows[0]["position_ids"]
+    ([1, 2, 3, 4, 5], [-100, 2, 3, -100, 5], [0, 1, 2, 0, 1])
+    """
+    if max_length < 1:
+        raise ValueError(f"max_length={max_length}: it must be >= 1.")
+    order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
+    spaces: list[tuple[int, int]] = []  # (remaining space, row id), sorted: the best fit is the first that fits
+    rows: list[list[int]] = []
+    for i in order:
+        length = len(examples[i]["input_ids"])
+        if length > max_length:
+            raise ValueError(f"example {i} has {length} tokens, more than the packing length {max_length}.")
+        k = bisect.bisect_left(spaces, (length, -1))
+        if k < len(spaces):
+            space, row = spaces.pop(k)
+            rows[row].append(i)
+            bisect.insort(spaces, (space - length, row))
+        else:
+            rows.append([i])
+            bisect.insort(spaces, (max_length - length, len(rows) - 1))
+    packed = []
+    for members in rows:
+        ids, labels, positions = [], [], []
+        for i in members:
+            seq = list(examples[i]["input_ids"])
+            lab = list(examples[i].get("labels") or seq)
+            ids += seq
+            labels += [IGNORE_INDEX] + lab[1:]
+            positions += list(range(len(seq)))
+        packed.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+    return packed
+
+
+def pack_dataset(dataset, max_length: int):
+    """:func:`pack_examples` for a ``datasets.Dataset`` with ``input_ids`` and ``labels``; logs the row count."""
+    import datasets
+
+    rows = pack_examples(dataset.select_columns(["input_ids", "labels"]).to_list(), max_length)
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    logger.info(
+        "hfacc: packed %d examples into %d rows of <= %d tokens (%.1f %% full).",
+        len(dataset),
+        len(rows),
+        max_length,
+        100 * tokens / max(len(rows) * max_length, 1),
+    )
+    return datasets.Dataset.from_list(rows)
+
+
+def is_packed(batch) -> bool:
+    """Whether a batch holds packed rows: ``position_ids`` and no ``attention_mask``."""
+    return batch.get("position_ids") is not None and batch.get("attention_mask") is None
+
+
+@torch.no_grad()
+def check_packing(model, batch, tolerance: float = 1e-4) -> str | None:
+    """Run the first packed row both packed and one sequence at a time; None if every sequence's logits match.
+
+    A model or attention implementation that lets packed sequences attend to each other would silently train on
+    the wrong context. The comparison is relative to the largest logit, in fp32.
+    """
+    from .objective import get_logits
+
+    was_training = model.training
+    model.eval()
+    try:
+        positions = batch["position_ids"][:1]
+        ids = batch["input_ids"][:1]
+        packed = get_logits(model(input_ids=ids, position_ids=positions, use_cache=False)).float()
+        starts = (positions[0] == 0).nonzero().flatten().tolist() + [positions.shape[1]]
+        worst = 0.0
+        for a, b in zip(starts[:-1], starts[1:], strict=True):
+            alone = get_logits(model(input_ids=ids[:, a:b], use_cache=False)).float()
+            scale = alone.abs().max().clamp(min=1e-6)
+            worst = max(worst, ((packed[:, a:b] - alone).abs().max() / scale).item())
+    finally:
+        model.train(was_training)
+    if worst > tolerance:
+        return (
+            f"packed sequences are not kept apart by this model/attention implementation (logits differ by "
+            f"{worst:.1e} relative)"
+        )
+    return None
