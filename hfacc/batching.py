@@ -24,16 +24,21 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
     """Micro-batches whose padded size (rows x longest row) stays within ``max_tokens``.
 
     Examples are sorted by length and cut greedily into micro-batches (as fairseq's ``batch_by_size`` does), so a
-    micro-batch holds sequences of similar length: little padding, bounded memory. The composition of the
-    micro-batches is fixed; their order is shuffled every epoch (seeded by ``seed`` and the epoch, so a resumed run
-    sees the same order). The number of micro-batches is the same every epoch, as the Trainer requires.
+    micro-batch holds sequences of similar length: little padding, bounded memory. With ``group_size`` > 0 the
+    sorting happens within random groups of that many examples, drawn anew every epoch: more padding, but
+    micro-batches mix examples that sorting would keep apart (when lengths go with content, e.g. one task per
+    length, fully sorted micro-batches make each optimizer step see fewer kinds of example). The order of the
+    micro-batches is shuffled every epoch, seeded by ``seed`` and the epoch, so a resumed run sees the same order,
+    and every epoch has the same number of micro-batches, as the Trainer requires (epochs that would cut more or
+    fewer are evened out by splitting the fullest micro-batches or merging the smallest).
 
     Args:
         lengths: length of every example in tokens.
         max_tokens: most padded tokens per micro-batch. A longer example gets a micro-batch of its own.
         max_batch_size: most sequences per micro-batch (0: no limit).
-        shuffle: shuffle the order of the micro-batches every epoch.
-        seed: seed of the shuffle.
+        shuffle: shuffle examples and micro-batches every epoch.
+        seed: seed of the shuffles.
+        group_size: examples per length-sorting group (0: sort the whole dataset once; fixed composition).
 
     >>> sampler = TokenBudgetBatchSampler([5, 9, 3, 8, 4], max_tokens=16, shuffle=False)
     >>> list(sampler)  # lengths 9 | 8 + 5 | 4 + 3: at most 16 padded tokens each
@@ -47,46 +52,77 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         max_batch_size: int = 0,
         shuffle: bool = True,
         seed: int = 0,
+        group_size: int = 0,
     ):
         if max_tokens < 1:
             raise ValueError(f"max_tokens={max_tokens}: it must be >= 1.")
+        if group_size < 0:
+            raise ValueError(f"group_size={group_size}: it must be >= 0 (0 sorts the whole dataset).")
+        self.lengths = list(lengths)
         self.max_tokens, self.max_batch_size, self.shuffle, self.seed = max_tokens, max_batch_size, shuffle, seed
+        self.group_size = group_size
         self.epoch = 0
-        order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-        batches, current, longest = [], [], 0
-        oversized = 0
-        for i in order:
-            grown = max(longest, lengths[i]) * (len(current) + 1)
-            full = self.max_batch_size and len(current) >= self.max_batch_size
-            if current and (grown > max_tokens or full):
-                batches.append(current)
-                current, longest = [], 0
-            oversized += lengths[i] > max_tokens
-            current.append(i)
-            longest = max(longest, lengths[i])
-        if current:
-            batches.append(current)
+        oversized = sum(n > max_tokens for n in self.lengths)
         if oversized:
             logger.warning(
                 "hfacc: %d example(s) are longer than max_tokens_per_batch=%d; each gets a micro-batch of its own.",
                 oversized,
                 max_tokens,
             )
-        self.batches = batches
-        self.padded_tokens = sum(max(lengths[i] for i in b) * len(b) for b in batches)
-        self.real_tokens = sum(lengths)
+        first = self._cut(0)
+        self.num_batches = len(first)
+        self.padded_tokens = sum(self._padded(b) for b in first)
+        self.real_tokens = sum(self.lengths)
+
+    def _padded(self, batch: list[int]) -> int:
+        return max(self.lengths[i] for i in batch) * len(batch)
+
+    def _cut(self, epoch: int) -> list[list[int]]:
+        order = list(range(len(self.lengths)))
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        if self.shuffle:
+            rng.shuffle(order)
+        size = self.group_size or len(order) or 1
+        batches: list[list[int]] = []
+        for g in range(0, len(order), size):
+            group = sorted(order[g : g + size], key=lambda i: -self.lengths[i])
+            current, longest = [], 0
+            for i in group:
+                grown = max(longest, self.lengths[i]) * (len(current) + 1)
+                full = self.max_batch_size and len(current) >= self.max_batch_size
+                if current and (grown > self.max_tokens or full):
+                    batches.append(current)
+                    current, longest = [], 0
+                current.append(i)
+                longest = max(longest, self.lengths[i])
+            if current:
+                batches.append(current)
+        return batches
+
+    def _even_out(self, batches: list[list[int]]) -> list[list[int]]:
+        """Split the fullest or merge the smallest micro-batches until there are ``num_batches``."""
+        while len(batches) < self.num_batches:
+            k = max(range(len(batches)), key=lambda j: len(batches[j]))
+            if len(batches[k]) < 2:
+                break
+            half = len(batches[k]) // 2
+            batches[k : k + 1] = [batches[k][:half], batches[k][half:]]
+        while len(batches) > self.num_batches:
+            batches.sort(key=self._padded)
+            batches[0:2] = [batches[0] + batches[1]]
+        return batches
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[list[int]]:
-        batches = list(self.batches)
+        batches = self._even_out(self._cut(self.epoch))
         if self.shuffle:
-            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(batches)
+            random.Random(self.seed * 1_000_003 + self.epoch + 1).shuffle(batches)
         yield from batches
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return self.num_batches
 
     @property
     def padding_fraction(self) -> float:

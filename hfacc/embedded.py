@@ -29,6 +29,7 @@ WORDS = (
     "paper ladder engine basket jacket helmet anchor harbor meadow valley canyon desert glacier thunder cloud "
     "storm sunset marble copper velvet cotton puzzle riddle legend story poem song dance music light stone"
 ).split()
+SHORT_WORDS = [w for w in WORDS if len(w) <= 5]
 ONES = "zero one two three four five six seven eight nine".split()
 TEENS = "ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split()
 TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
@@ -56,7 +57,7 @@ def number_to_words(n: int) -> str:
 
 
 def _arithmetic(rng):
-    a, b = rng.randint(0, 99), rng.randint(0, 99)
+    a, b = rng.randint(0, 20), rng.randint(0, 20)
     if rng.random() < 0.5:
         return f"What is {a} + {b}?", str(a + b), a + b
     a, b = max(a, b), min(a, b)
@@ -64,7 +65,7 @@ def _arithmetic(rng):
 
 
 def _reverse(rng):
-    word = rng.choice(WORDS)
+    word = rng.choice(SHORT_WORDS)
     return f"Reverse the letters of '{word}'.", word[::-1], None
 
 
@@ -75,27 +76,27 @@ def _spell(rng):
 
 def _count(rng):
     start = rng.randint(0, 30)
-    stop = start + rng.randint(2, 18)
+    stop = start + rng.randint(2, 12)
     return f"Count from {start} to {stop}.", " ".join(str(i) for i in range(start, stop + 1)), None
 
 
 def _words(rng):
-    n = rng.choice([rng.randint(0, 99), rng.randint(100, 999), rng.randint(1000, 9999)])
+    n = rng.choice([rng.randint(0, 99), rng.randint(0, 99), rng.randint(100, 999)])
     return f"Write {n} in words.", number_to_words(n), None
 
 
 def _sort(rng):
-    numbers = [rng.randint(0, 99) for _ in range(rng.randint(3, 9))]
-    return f"Sort these numbers: {' '.join(map(str, numbers))}", " ".join(map(str, sorted(numbers))), None
+    numbers = [rng.randint(0, 9) for _ in range(rng.randint(3, 7))]
+    return f"Sort these digits: {' '.join(map(str, numbers))}", " ".join(map(str, sorted(numbers))), None
 
 
 def _upper(rng):
-    words = rng.sample(WORDS, rng.randint(2, 6))
+    words = rng.sample(WORDS, rng.randint(1, 4))
     return f"Write in capital letters: {' '.join(words)}", " ".join(words).upper(), None
 
 
 def _repeat(rng):
-    word, k = rng.choice(WORDS), rng.randint(1, 7)
+    word, k = rng.choice(WORDS), rng.randint(1, 6)
     return f"Repeat '{word}' {k} times.", " ".join([word] * k), None
 
 
@@ -135,7 +136,7 @@ def generate_instruction_examples(n: int = 4000, seed: int = 0, two_turn_fractio
 
 
 def build_default_tokenizer(
-    corpus: list[str] | None = None, vocab_size: int = 512, save_dir: str | Path | None = None
+    corpus: list[str] | None = None, vocab_size: int = 320, save_dir: str | Path | None = None
 ):
     """The default run's tokenizer: byte-level BPE on ``corpus`` (default: the generated dataset), ChatML template.
 
@@ -174,7 +175,10 @@ def build_bpe_tokenizer(
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Digits one by one (as Llama-3 and Qwen tokenizers do): arithmetic and counting see every digit.
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     core.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

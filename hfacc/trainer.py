@@ -87,6 +87,13 @@ class TokenWeightedArguments(TrainingArguments):
             "and memory bounded. Exact: the window is normalized by its target count. 0: off."
         },
     )
+    length_group_size: int = field(
+        default=0,
+        metadata={
+            "help": "With max_tokens_per_batch: sort by length within random groups of this many examples, "
+            "drawn anew every epoch (more variety per micro-batch, a little more padding). 0: sort all."
+        },
+    )
     skip_nonfinite_steps: bool = field(
         default=True,
         metadata={
@@ -234,6 +241,7 @@ class TokenWeightedTrainer(Trainer):
             budget,
             shuffle=self.args.train_sampling_strategy != "sequential",
             seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+            group_size=getattr(self.args, "length_group_size", 0),
         )
         logger.info(
             "hfacc: %d micro-batches of <= %d padded tokens per epoch (%.1f %% padding).",

@@ -76,6 +76,8 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
             )
             metrics["exact_match"] = score
             metrics["samples"] = [{"prompt": p[-1]["content"], "reference": r, "answer": a} for p, r, a in samples[:8]]
+            if "task" in raw_eval.column_names:  # the embedded data names its tasks: which ones were learned
+                metrics["exact_match_by_task"] = exact_match_by_task(raw_eval["task"], samples)
         metrics["wall_time_s"] = round(time.perf_counter() - start, 1)
         write_json(metrics, Path(args.output_dir) / "metrics.json")
         save_loss_curve(trainer.state.log_history, Path(args.output_dir) / "loss_curve.png")
@@ -95,9 +97,21 @@ def print_summary(metrics: dict, output_dir: str) -> None:
         lines.append(f"eval token accuracy  {metrics['eval_token_accuracy_after']:.3f}")
     if "exact_match" in metrics:
         lines.append(f"exact match          {metrics['exact_match']:.3f} on held-out prompts")
+        by_task = metrics.get("exact_match_by_task", {})
+        if by_task:
+            lines.append(
+                "  by task: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_task.items(), key=lambda x: -x[1]))
+            )
         lines += [f"  {s['prompt']!r} -> {s['answer']!r} (want {s['reference']!r})" for s in metrics["samples"][:4]]
     lines += [f"wall time            {metrics['wall_time_s']} s", f"outputs              {output_dir}", ""]
     print("\n".join(lines), flush=True)
+
+
+def exact_match_by_task(tasks: list[str], samples: list) -> dict[str, float]:
+    hits: dict[str, list[bool]] = {}
+    for task, (_, reference, answer) in zip(tasks, samples, strict=False):
+        hits.setdefault(task, []).append(answer == reference)
+    return {task: sum(v) / len(v) for task, v in hits.items()}
 
 
 def default_config(argv: list[str]) -> Path | None:

@@ -113,3 +113,19 @@ def test_a_model_that_mixes_packed_sequences_is_refused(tmp_path):
     assert "not kept apart" in check_packing(LeakyLM(), COLLATE(rows))
     with pytest.raises(RuntimeError, match="Turn packing off"):
         run_trainer(TokenWeightedTrainer, LeakyLM(), rows, train_args(tmp_path, 1, 1), COLLATE)
+
+
+def test_random_length_groups_vary_composition_but_keep_the_count():
+    rng = random.Random(1)
+    lengths = [rng.randint(20, 100) for _ in range(600)]
+    sampler = TokenBudgetBatchSampler(lengths, max_tokens=320, group_size=64, seed=3)
+    compositions = []
+    for epoch in range(4):
+        sampler.set_epoch(epoch)
+        batches = list(sampler)
+        assert len(batches) == len(sampler)
+        assert sorted(i for b in batches for i in b) == list(range(600))
+        compositions.append({tuple(sorted(b)) for b in batches})
+    assert compositions[0] != compositions[1]  # groups are redrawn every epoch
+    fixed = TokenBudgetBatchSampler(lengths, max_tokens=320, seed=3)
+    assert fixed.padding_fraction < sampler.padding_fraction < 0.1
