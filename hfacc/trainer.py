@@ -177,9 +177,9 @@ class TokenWeightedTrainer(Trainer):
         *args, **kwargs: as for ``transformers.Trainer``. ``args`` may be a plain ``TrainingArguments`` or a
             :class:`TokenWeightedArguments`.
 
-    >>> trainer = TokenWeightedTrainer(model=model, args=TokenWeightedArguments(
+    >>> trainer = TokenWeightedTrainer(model=model, args=TokenWeightedArguments(  # doctest: +SKIP
     ...     output_dir="out", per_device_train_batch_size=2, gradient_accumulation_steps=4),
-    ...     train_dataset=dataset, data_collator=DataCollatorForCausalLM(tokenizer))
+    ...     train_dataset=dataset, data_collator=DataCollatorForCausalLM(tokenizer.pad_token_id))
     >>> trainer.train()  # doctest: +SKIP
     """
 

@@ -143,12 +143,15 @@ def test_text_trains_every_token_and_appends_eos():
 
 def test_build_sft_dataset_detects_the_format_and_truncates(caplog):
     tokenizer = build_default_tokenizer()
+    long_ids, _ = tokenize_messages(tokenizer, CONVERSATION)
+    short_ids, _ = tokenize_messages(tokenizer, CONVERSATION[:3])
+    limit = (len(long_ids) + len(short_ids)) // 2  # cuts the two-turn chat, leaves the one-turn chat whole
     rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:3]}]
     with caplog.at_level(logging.WARNING, logger="hfacc"):
-        ds = build_sft_dataset(Dataset.from_list(rows), tokenizer, max_length=50)
+        ds = build_sft_dataset(Dataset.from_list(rows), tokenizer, max_length=limit)
     assert set(ds.column_names) == {"input_ids", "attention_mask", "labels"}
-    assert [len(x) for x in ds["input_ids"]] == [50, 40]  # the two-turn chat lost its end, the other is whole
-    assert "1 of 2 examples exceed max_length=50 and were truncated" in caplog.text
+    assert [len(x) for x in ds["input_ids"]] == [limit, len(short_ids)]
+    assert f"1 of 2 examples exceed max_length={limit} and were truncated" in caplog.text
 
 
 def test_render_mask_highlights_trained_tokens():

@@ -1,0 +1,68 @@
+"""Every notebook executes without error (offline, CPU); notebook 1's numbers are the ones its text states."""
+
+import json
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+
+pytestmark = pytest.mark.slow
+
+
+def execute(path: Path):
+    nb = nbformat.read(path, as_version=4)
+    start = time.perf_counter()
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
+    return nb, time.perf_counter() - start
+
+
+def stdout_of(nb) -> str:
+    return "".join(
+        out.get("text", "")
+        for cell in nb.cells
+        if cell.cell_type == "code"
+        for out in cell.outputs
+        if out.get("name") == "stdout"
+    )
+
+
+def test_there_are_five_tutorials_listed_in_the_readme():
+    assert len(NOTEBOOKS) == 5
+    readme = (ROOT / "README.md").read_text()
+    for path in NOTEBOOKS:
+        assert f"notebooks/{path.name}" in readme
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs(path, record_property):
+    nb, seconds = execute(path)
+    record_property("seconds", round(seconds, 1))
+    print(f"{path.name}: {seconds:.1f} s")
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            continue
+        assert all(out.output_type != "error" for out in cell.outputs)
+    # Markdown before every code cell.
+    kinds = [c.cell_type for c in nb.cells]
+    assert kinds[0] == "markdown" and all(
+        a == "markdown" for a, b in zip(kinds, kinds[1:], strict=False) if b == "code"
+    )
+    if path.name.startswith("01_"):
+        line = next(line for line in stdout_of(nb).splitlines() if line.startswith("{"))
+        results = json.loads(line)
+        assert results["per_example_grads"] == [1.0, 1.0, 1.0, -7.0]
+        assert results["big_batch"] == 1.25
+        assert results["weighted"] == {"4": 1.25, "2+2": 1.25, "1+1+1+1": 1.25, "3+1": 1.25}
+        assert results["mean_of_means_3_1"] == 1.75
+        assert results["four_steps"] == pytest.approx(2.31640625)
+    if path.name.startswith("05_"):
+        out = stdout_of(nb)
+        assert "no_sync around forward and backward  : 1 all-reduce" in out
+        assert "no_sync around backward only         : 4 all-reduce" in out
