@@ -196,7 +196,7 @@ def build_bpe_tokenizer(
     return tokenizer
 
 
-def build_default_model(tokenizer, hidden_size: int = 128, num_layers: int = 4, seed: int = 0):
+def build_default_model(tokenizer, hidden_size: int = 256, num_layers: int = 2, seed: int = 0):
     """The tiny Llama of the default run, sized to the tokenizer."""
     from .modeling import build_tiny_llama
 

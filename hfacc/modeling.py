@@ -137,8 +137,8 @@ class ModelArguments:
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["all-linear"], metadata={"help": "Modules to adapt ('all-linear': every Linear)."}
     )
-    embedded_hidden_size: int = field(default=128, metadata={"help": "Hidden size of the embedded tiny Llama."})
-    embedded_num_layers: int = field(default=4, metadata={"help": "Layers of the embedded tiny Llama."})
+    embedded_hidden_size: int = field(default=256, metadata={"help": "Hidden size of the embedded tiny Llama."})
+    embedded_num_layers: int = field(default=2, metadata={"help": "Layers of the embedded tiny Llama."})
 
     def __post_init__(self):
         if self.lora_r < 1:

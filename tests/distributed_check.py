@@ -27,6 +27,7 @@ from hfacc import (  # noqa: E402
     causal_lm_sums,
     iter_windows,
 )
+from hfacc.batching import TokenBudgetBatchSampler  # noqa: E402
 from tests.helpers import VOCAB, flat_grad, full_batch_causal_lm, relative_error, run_trainer, train_args  # noqa: E402
 
 
@@ -55,9 +56,23 @@ def main(out_path: str) -> None:
         ("stock bs1 ga4 avg=True", Trainer, 1, 4, True, "token"),
         ("stock bs1 ga4 avg=False", Trainer, 1, 4, False, "token"),
     ]
+    # Token-budget micro-batches: a budget whose micro-batch count splits evenly over the ranks, one window for all.
+    lengths = [len(e["input_ids"]) for e in examples]
+    budget = next(b for b in range(60, 400, 4) if len(TokenBudgetBatchSampler(lengths, b)) in (4, 6))
+    cases.append(
+        (
+            "hfacc token budget",
+            TokenWeightedTrainer,
+            1,
+            len(TokenBudgetBatchSampler(lengths, budget)) // 2,
+            True,
+            "token",
+        )
+    )
     for name, cls, bs, ga, average, normalization in cases:
         model = build_tiny_llama(vocab_size=VOCAB)
         reference, token_loss, accuracy = full_batch_causal_lm(model, examples, mode=normalization)
+        extra = {"max_tokens_per_batch": budget, "train_sampling_strategy": "random"} if "budget" in name else {}
         args = train_args(
             tmp,
             bs,
@@ -65,6 +80,9 @@ def main(out_path: str) -> None:
             average_tokens_across_devices=average,
             args_class=TokenWeightedArguments,
             normalization=normalization,
+            # A collective that never completes fails in 2 minutes instead of hanging the suite for 30.
+            ddp_timeout=120,
+            **extra,
         )
         trainer, capture = run_trainer(cls, model, examples, args, collate)
         log = trainer.state.log_history[0]

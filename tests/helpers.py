@@ -177,3 +177,28 @@ def recipe_types(module):
     from hfacc.modeling import ModelArguments
 
     return [module.SFTArguments, ModelArguments, DataArguments, TokenWeightedArguments]
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now: each multi-process test gets its own rendezvous port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args: str) -> list[str]:
+    """The command for two CPU ranks of ``args`` (a script and its arguments, or ``-m module ...``)."""
+    import sys
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        *args,
+    ]

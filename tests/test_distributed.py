@@ -2,10 +2,11 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-6
@@ -14,16 +15,9 @@ TOL = 1e-6
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist") / "results.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "tests/distributed_check.py",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        torchrun("tests/distributed_check.py", str(out)), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -45,6 +39,7 @@ def test_really_two_ranks(results):
         "hfacc bs1 ga4 avg=False",
         "hfacc bs2 ga2 avg=False",
         "hfacc bs2 ga2 sequence",
+        "hfacc token budget",
         "loop helper",
     ],
 )
@@ -52,7 +47,9 @@ def test_hfacc_is_exact_on_two_ranks(results, case):
     assert results["cases"][case]["grad_error"] <= TOL
 
 
-@pytest.mark.parametrize("case", ["hfacc bs1 ga4 avg=True", "hfacc bs1 ga4 avg=False", "hfacc bs2 ga2 avg=False"])
+@pytest.mark.parametrize(
+    "case", ["hfacc bs1 ga4 avg=True", "hfacc bs1 ga4 avg=False", "hfacc bs2 ga2 avg=False", "hfacc token budget"]
+)
 def test_logged_loss_and_accuracy_are_the_global_token_means(results, case):
     r = results["cases"][case]
     assert r["loss"] == pytest.approx(r["reference_loss"], rel=1e-5)

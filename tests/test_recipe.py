@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from hfacc.config import parse_args
-from tests.helpers import ROOT, load_recipe, recipe_types
+from tests.helpers import ROOT, free_port, load_recipe, recipe_types
 
 pytestmark = pytest.mark.slow
 
@@ -94,12 +94,14 @@ def test_two_processes_through_the_ddp_config(tmp_path):
         "accelerate.commands.launch",
         "--config_file",
         "accelerate_configs/ddp.yaml",
+        "--main_process_port",
+        str(free_port()),
         "recipes/sft.py",
         *SHORT,
         "--output_dir",
         str(out),
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["world_size"] == 2 and saved["steps"] == 4

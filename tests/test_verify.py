@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ from transformers import Trainer
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
 from hfacc.cli import main as cli_main
 from hfacc.verify import verify_accumulation
-from tests.helpers import ROOT, VOCAB, KwargsLM, make_examples, relative_error, run_trainer, train_args
+from tests.helpers import ROOT, VOCAB, KwargsLM, make_examples, relative_error, run_trainer, torchrun, train_args
 
 COLLATE = DataCollatorForCausalLM(pad_token_id=0)
 
@@ -100,19 +99,8 @@ def test_show_mask_prints_highlighted_examples(capsys):
 @pytest.mark.distributed
 def test_distributed_verify_on_two_ranks(tmp_path):
     out = tmp_path / "report.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "hfacc.cli",
-        "verify",
-        "--json_path",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    cmd = torchrun("-m", "hfacc.cli", "verify", "--json_path", str(out))
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["window"]["world_size"] == 2 and report["passed"] and report["error"] < 1e-6
