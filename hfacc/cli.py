@@ -50,7 +50,7 @@ def run_verify(argv: list[str]) -> int:
 
     from .collator import DataCollatorForCausalLM
     from .config import parse_args
-    from .data import DataArguments, build_sft_dataset, load_sft_source
+    from .data import DataArguments, build_examples
     from .modeling import ModelArguments, load_model_and_tokenizer
     from .trainer import TokenWeightedArguments
     from .verify import VerifyArguments, verify_accumulation
@@ -66,24 +66,8 @@ def run_verify(argv: list[str]) -> int:
     need = (
         verify_args.per_device_train_batch_size * verify_args.gradient_accumulation_steps * accelerator.num_processes
     )
-    raw, _ = load_sft_source(
-        data_args.dataset_name,
-        config=data_args.dataset_config,
-        split=data_args.dataset_train_split,
-        eval_split=None,
-        eval_fraction=0.5,
-        seed=verify_args.seed,
-        num_embedded=max(4 * need, 64),
-        max_examples=max(4 * need, 64),
-    )
-    examples = build_sft_dataset(
-        raw,
-        tokenizer,
-        max_length=data_args.max_length,
-        format=data_args.dataset_format,
-        last_turn_only=data_args.last_turn_only,
-        truncation=data_args.truncation,
-    )
+    # Extra rows: some may be dropped (no target left after truncation).
+    examples = build_examples(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
     report = verify_accumulation(
         model,
         [examples[i] for i in range(min(len(examples), need))],
@@ -112,30 +96,14 @@ def run_verify(argv: list[str]) -> int:
 
 def run_show_mask(argv: list[str]) -> int:
     from .config import parse_args
-    from .data import DataArguments, build_sft_dataset, load_sft_source, render_mask
+    from .data import DataArguments, build_examples, render_mask
     from .modeling import ModelArguments, load_model_and_tokenizer
 
     show, model_args, data_args = parse_args(
         [ShowMaskArguments, ModelArguments, DataArguments], argv, prog="hfacc show-mask"
     )
     _, tokenizer = load_model_and_tokenizer(model_args)
-    raw, _ = load_sft_source(
-        data_args.dataset_name,
-        config=data_args.dataset_config,
-        split=data_args.dataset_train_split,
-        eval_fraction=0.5,
-        num_embedded=max(2 * (show.index + show.count), 16),
-        max_examples=max(2 * (show.index + show.count), 16),
-    )
-    raw = raw.select(range(show.index, min(len(raw), show.index + show.count)))
-    ds = build_sft_dataset(
-        raw,
-        tokenizer,
-        max_length=data_args.max_length,
-        format=data_args.dataset_format,
-        last_turn_only=data_args.last_turn_only,
-        truncation=data_args.truncation,
-    )
+    ds = build_examples(data_args, tokenizer, count=show.count, start=show.index)
     legend = "\x1b[1;32mgreen\x1b[0m" if show.color else "[[ ]]"
     print(f"Tokens that carry loss are {legend}; everything else has label -100.\n")
     for i, row in enumerate(ds):

@@ -503,6 +503,15 @@ class DataArguments:
         if self.packing and self.max_length is None:
             raise ValueError("packing=True needs max_length: it is the length of the packed rows.")
 
+    def sft_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`build_sft_dataset` these settings stand for."""
+        return dict(
+            max_length=self.max_length,
+            format=self.dataset_format,
+            last_turn_only=self.last_turn_only,
+            truncation=self.truncation,
+        )
+
 
 def build_datasets(args: DataArguments, tokenizer, seed: int = 0):
     """``(train, eval, raw_eval)``: tokenized, masked train/eval datasets and the raw held-out rows."""
@@ -516,15 +525,30 @@ def build_datasets(args: DataArguments, tokenizer, seed: int = 0):
         seed=seed,
         num_embedded=args.num_embedded_examples,
     )
-    options = dict(
-        max_length=args.max_length,
-        format=args.dataset_format,
-        last_turn_only=args.last_turn_only,
-        truncation=args.truncation,
-    )
+    options = args.sft_options()
     train = build_sft_dataset(raw_train, tokenizer, **options)
     if args.packing:
         from .batching import pack_dataset
 
         train = pack_dataset(train, args.max_length)
     return train, build_sft_dataset(raw_eval, tokenizer, **options), raw_eval
+
+
+def build_examples(args: DataArguments, tokenizer, count: int, start: int = 0, seed: int = 0):
+    """Examples ``start .. start + count`` of the training data, tokenized and masked as training would do it.
+
+    For tools that look at a few examples (``hfacc verify``, ``hfacc show-mask``): only about twice as many rows
+    as needed are loaded (or generated), never the whole dataset.
+    """
+    rows = max(2 * (start + count), 16)
+    raw, _ = load_sft_source(
+        args.dataset_name,
+        config=args.dataset_config,
+        split=args.dataset_train_split,
+        eval_fraction=0.5,
+        seed=seed,
+        num_embedded=rows,
+        max_examples=rows,
+    )
+    raw = raw.select(range(min(start, len(raw)), min(len(raw), start + count)))
+    return build_sft_dataset(raw, tokenizer, **args.sft_options())
