@@ -17,7 +17,6 @@ How it differs from the stock Trainer, hook by hook:
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Iterator, Mapping
@@ -320,10 +319,7 @@ class TokenWeightedTrainer(Trainer):
             problem = "parameters are sharded (FSDP/DeepSpeed)"
         else:
             problem = check_fused_loss(objective, self.model, self._prepare_inputs(batch))
-        ok = torch.tensor([0.0 if problem else 1.0], device=self.args.device)
-        if self.accelerator.num_processes > 1:  # every rank must take the same path
-            ok = self.accelerator.reduce(ok, reduction="min")
-        objective.fused = bool(ok.item())
+        objective.fused = all_ranks_agree(problem is None, self.accelerator)
         if objective.fused:
             logger.info("hfacc: fused chunked cross-entropy: the full logits are never materialized.")
         else:
@@ -562,16 +558,22 @@ class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps had a non-finite loss or gradient."""
 
 
+def all_ranks_agree(flag: bool, accelerator) -> bool:
+    """True only if ``flag`` is True on every rank (one collective), so that all ranks take the same path."""
+    if accelerator.num_processes == 1:
+        return flag
+    # accelerate's reduce knows sum, mean and max only: count the ranks that said yes.
+    votes = accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), reduction="sum")
+    return int(votes.item()) == accelerator.num_processes
+
+
 def _window_is_finite(trainer: TokenWeightedTrainer, meter: LossMeter) -> bool:
     grads = [p.grad for group in trainer.optimizer.param_groups for p in group["params"] if p.grad is not None]
     total = meter.staged[0].float()
     if grads:
         total = total + torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False).float()
-    flag = torch.isfinite(total).to(torch.float32).reshape(1)
-    if trainer.accelerator.num_processes > 1:
-        # Sharded (FSDP) gradients differ per rank: every rank must take the same decision.
-        flag = trainer.accelerator.reduce(flag, reduction="sum") / trainer.accelerator.num_processes
-    return math.isclose(flag.item(), 1.0)
+    # Sharded (FSDP) gradients differ per rank: every rank must take the same decision.
+    return all_ranks_agree(bool(torch.isfinite(total)), trainer.accelerator)
 
 
 def _drop_gradients(trainer: TokenWeightedTrainer) -> None:

@@ -33,7 +33,7 @@ from .objective import (
     get_objective,
     model_inputs,
 )
-from .trainer import get_gradient_scale
+from .trainer import all_ranks_agree, get_gradient_scale
 
 PATHS = ("hfacc", "stock")
 logger = logging.getLogger(__name__)
@@ -212,8 +212,7 @@ def verify_accumulation(
             if fused_loss and normalization != "sequence"
             else "off"
         )
-        ok = torch.tensor([0.0 if problem else 1.0], device=accelerator.device)
-        objective.fused = bool((accelerator.reduce(ok, reduction="min") if world > 1 else ok).item())
+        objective.fused = all_ranks_agree(problem is None, accelerator)
         loss_path = "fused chunked cross-entropy" if objective.fused else f"plain ({problem})"
     wrapped = accelerator.prepare_model(model) if world > 1 else model
     named = [(n, p) for n, p in get_base_model(model).named_parameters() if p.requires_grad]

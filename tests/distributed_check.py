@@ -28,6 +28,7 @@ from hfacc import (  # noqa: E402
     iter_windows,
 )
 from hfacc.batching import TokenBudgetBatchSampler  # noqa: E402
+from hfacc.trainer import all_ranks_agree  # noqa: E402
 from tests.helpers import VOCAB, flat_grad, full_batch_causal_lm, relative_error, run_trainer, train_args  # noqa: E402
 
 
@@ -112,6 +113,9 @@ def main(out_path: str) -> None:
                 accelerator.backward(mb.scale(causal_lm_sums(logits, mb.batch["labels"])))
     results["cases"]["loop helper"] = {"grad_error": relative_error(flat_grad(model), reference)}
     results["distributed_type"] = str(accelerator.distributed_type)
+    # A decision every rank must share (fused loss on/off, skip a step): one "no" anywhere is "no" everywhere.
+    mixed = all_ranks_agree(accelerator.process_index == 0, accelerator)
+    results["agree"] = {"all yes": all_ranks_agree(True, accelerator), "one no": mixed}
     results["process_group_size"] = dist.get_world_size() if dist.is_initialized() else 1
 
     if accelerator.is_main_process:

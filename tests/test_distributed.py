@@ -59,3 +59,7 @@ def test_logged_loss_and_accuracy_are_the_global_token_means(results, case):
 
 def test_stock_trainer_without_cross_rank_averaging_is_wrong(results):
     assert results["cases"]["stock bs1 ga4 avg=False"]["grad_error"] > 0.5
+
+
+def test_a_shared_decision_needs_every_rank(results):
+    assert results["agree"] == {"all yes": True, "one no": False}
