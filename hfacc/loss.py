@@ -44,9 +44,6 @@ class LossSums(NamedTuple):
         """Collapse per-sequence sums to scalars."""
         return LossSums(self.loss.sum(), self.count.sum(), self.correct.sum())
 
-    def detach(self) -> LossSums:
-        return LossSums(self.loss.detach(), self.count, self.correct)
-
 
 class WindowCounts(NamedTuple):
     """What one accumulation window holds, summed over all data-parallel ranks.

@@ -67,3 +67,13 @@ def test_accelerate_config_loads_and_its_keys_exist(path):
             assert hasattr(launch_args, name), f"{path.name}: {section}.{key} is not an accelerate launch setting"
     text = path.read_text()
     assert text.startswith("# ") and "accelerate launch --config_file accelerate_configs/" in text
+
+
+def test_verify_accepts_every_key_of_the_recipe_config():
+    """`hfacc verify --config` skips the recipe's own keys; its list must follow the recipe's dataclass."""
+    import dataclasses
+
+    from hfacc.cli import _SFTKeys
+
+    recipe_fields = {f.name for f in dataclasses.fields(load_recipe().SFTArguments)}
+    assert recipe_fields == {f.name for f in dataclasses.fields(_SFTKeys)}
