@@ -482,8 +482,10 @@ def _micro_batch_reference(model, objective, examples, collate, size, device):
 
 
 def _sequence_counts(sums: LossSums) -> tuple[int, int]:
+    """(targets, sequences with a target) of the big batch's sums (per-sequence or already totalled)."""
     count = sums.count
-    return int(count.sum()), int((count > 0).sum()) if count.dim() else int(count > 0)
+    sequences = int((count > 0).sum()) if count.dim() else int(count > 0)
+    return int(count.sum()), sequences
 
 
 def _zero(named):
