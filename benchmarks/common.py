@@ -77,9 +77,3 @@ def bench_args(output_dir, bs, ga, max_steps, **overrides):
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
-
-
-def peak_rss_mb():
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -58,7 +58,7 @@ def run_verify(argv: list[str]) -> int:
     verify_args, model_args, data_args = parse_args(
         [VerifyArguments, ModelArguments, DataArguments],
         argv,
-        ignore_types=_recipe_types(TokenWeightedArguments),
+        ignore_types=(TokenWeightedArguments, _SFTKeys),  # a recipe config's training keys are not verify's
         prog="hfacc verify",
     )
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
@@ -112,13 +112,6 @@ def run_show_mask(argv: list[str]) -> int:
         print(render_mask(tokenizer, row["input_ids"], row["labels"], color=show.color))
         print()
     return 0
-
-
-def _recipe_types(*extra):
-    """Dataclasses whose keys a recipe config may hold and this command does not use."""
-    from .cli import ShowMaskArguments
-
-    return (*extra, ShowMaskArguments, _SFTKeys)
 
 
 @dataclass
