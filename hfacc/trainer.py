@@ -26,7 +26,7 @@ from typing import Any
 
 import datasets
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -474,9 +474,28 @@ class TokenWeightedTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """``Trainer.train``; ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint."""
         resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        self._undo_evaluation_preparation()
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
         return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
+
+    def _undo_evaluation_preparation(self) -> None:
+        """Let ``train()`` wrap the model for data parallelism after an ``evaluate()`` that came first.
+
+        The stock evaluation loop prepares a bare model in evaluation mode (no DDP wrapper), and accelerate marks it
+        prepared; ``train()``'s own prepare then returns it unwrapped, so on several ranks each rank steps with its
+        own gradient, never all-reduced (transformers 5.24 with accelerate 1.15; the recipe evaluates first).
+        """
+        model = self.model
+        if (
+            self.accelerator.num_processes > 1
+            and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # those prepare fully in evaluation too
+            and self.model_wrapped is model
+            and getattr(model, "_is_accelerate_prepared", False)
+        ):
+            extract_model_from_parallel(model, keep_fp32_wrapper=False)  # prepare() puts the autocast wrapper back
+            model._is_accelerate_prepared = False
+            self.accelerator._models = [m for m in self.accelerator._models if m is not model]
 
     def _save_checkpoint(self, model, trial) -> None:
         """The stock checkpoint, then a completion marker, then rotation: a crash mid-save never costs the last good one.
