@@ -3,6 +3,7 @@
 1. The last, uneven window of an epoch: accelerate repeats examples so every rank gets a full batch. Each window's
    gradient (after DDP's all-reduce) is compared with the big-batch reference over the window's *real* examples.
 2. Checkpoint completion marker: rank 1 writes its RNG state late; the marker must still list it.
+3. evaluate() before train(): the training step must still be data parallel (all-reduced gradients).
 
 Rank 0 writes the measured values to OUT.json; tests/test_dropin.py asserts on them.
 """
@@ -96,6 +97,30 @@ def marker_case(tmp):
     }
 
 
+def evaluate_first_case(tmp):
+    """evaluate() before train(), as the recipe does: the training step must still all-reduce the gradients."""
+    from datasets import Dataset
+
+    from tests.helpers import CaptureGradients
+
+    examples = make_examples(8)
+    model = build_tiny_llama(vocab_size=VOCAB)
+    reference, _, _ = full_batch_causal_lm(model, examples)
+    capture = CaptureGradients(model)
+    args = train_args(tmp / "evaluate_first", 2, 2, args_class=TokenWeightedArguments, ddp_timeout=120)
+    trainer = TokenWeightedTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(examples),
+        eval_dataset=Dataset.from_list(examples[:4]),
+        data_collator=COLLATE,
+        callbacks=[capture],
+    )
+    trainer.evaluate()
+    trainer.train()
+    return {"grad_error": relative_error(capture.grads[0], reference), "wrapper": type(trainer.model_wrapped).__name__}
+
+
 def main(out_path: str) -> None:
     tmp = Path(out_path).parent / "work"  # shared by the ranks: they write one checkpoint together
     examples = make_examples(11, seed=31)
@@ -108,6 +133,7 @@ def main(out_path: str) -> None:
         "hfacc token budget": uneven_case("c", TokenWeightedTrainer, examples, 1, 2, tmp, max_tokens_per_batch=budget),
         "stock bs1 ga4 n9": uneven_case("d", Trainer, examples[:9], 1, 4, tmp),
         "marker": marker_case(tmp),
+        "evaluate first": evaluate_first_case(tmp),
         "world_size": dist.get_world_size(),
     }
     if dist.get_rank() == 0:

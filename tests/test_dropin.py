@@ -437,3 +437,10 @@ def test_checkpoint_marker_waits_for_every_ranks_files(two_ranks):
     r = two_ranks["marker"]
     assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= set(r["marker_files"])
     assert set(r["marker_files"]) == set(r["files"]) - {"checkpoint_complete.json"}
+
+
+@pytest.mark.distributed
+def test_evaluate_before_train_keeps_the_gradients_all_reduced(two_ranks):
+    """Stock Trainer (transformers 5.24) trains each rank on its own gradient after an evaluate(): error 1.03."""
+    r = two_ranks["evaluate first"]
+    assert r["wrapper"] == "DistributedDataParallel" and r["grad_error"] <= TOL
