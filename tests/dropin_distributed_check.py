@@ -4,6 +4,7 @@
    gradient (after DDP's all-reduce) is compared with the big-batch reference over the window's *real* examples.
 2. Checkpoint completion marker: rank 1 writes its RNG state late; the marker must still list it.
 3. evaluate() before train(): the training step must still be data parallel (all-reduced gradients).
+4. Evaluation of an uneven set, with hfacc's loss and with a compute_loss_func: the repeated examples do not count.
 
 Rank 0 writes the measured values to OUT.json; tests/test_dropin.py asserts on them.
 """
@@ -121,6 +122,34 @@ def evaluate_first_case(tmp):
     return {"grad_error": relative_error(capture.grads[0], reference), "wrapper": type(trainer.model_wrapped).__name__}
 
 
+def ce_sum_over_num_items(outputs, labels, num_items_in_batch=None):
+    """A compute_loss_func as transformers documents it: summed cross-entropy divided by num_items_in_batch."""
+    import torch.nn.functional as F
+
+    logits, targets = outputs["logits"][:, :-1], labels[:, 1:]
+    return (
+        F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        / num_items_in_batch
+    )
+
+
+def evaluation_case(tmp):
+    """Evaluation of 9 examples in batches of 2 on 2 ranks: accelerate repeats 3 of them; neither loss counts them."""
+    from datasets import Dataset
+
+    examples = make_examples(9, seed=32)
+    out = {"reference": full_batch_causal_lm(build_tiny_llama(vocab_size=VOCAB), examples)[1]}
+    out["reference_targets"] = sum(sum(1 for y in e["labels"][1:] if y != -100) for e in examples)
+    for name, kwargs in [("hfacc", {}), ("compute_loss_func", {"compute_loss_func": ce_sum_over_num_items})]:
+        args = train_args(tmp / f"eval_{name}", 2, 1, args_class=TokenWeightedArguments, per_device_eval_batch_size=2)
+        trainer = TokenWeightedTrainer(
+            model=build_tiny_llama(vocab_size=VOCAB), args=args, data_collator=COLLATE, **kwargs
+        )
+        metrics = trainer.evaluate(Dataset.from_list(examples))
+        out[name] = {"loss": metrics["eval_loss"], "num_targets": metrics["eval_num_targets"]}
+    return out
+
+
 def main(out_path: str) -> None:
     tmp = Path(out_path).parent / "work"  # shared by the ranks: they write one checkpoint together
     examples = make_examples(11, seed=31)
@@ -134,6 +163,7 @@ def main(out_path: str) -> None:
         "stock bs1 ga4 n9": uneven_case("d", Trainer, examples[:9], 1, 4, tmp),
         "marker": marker_case(tmp),
         "evaluate first": evaluate_first_case(tmp),
+        "evaluation": evaluation_case(tmp),
         "world_size": dist.get_world_size(),
     }
     if dist.get_rank() == 0:

@@ -444,3 +444,11 @@ def test_evaluate_before_train_keeps_the_gradients_all_reduced(two_ranks):
     """Stock Trainer (transformers 5.24) trains each rank on its own gradient after an evaluate(): error 1.03."""
     r = two_ranks["evaluate first"]
     assert r["wrapper"] == "DistributedDataParallel" and r["grad_error"] <= TOL
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("loss", ["hfacc", "compute_loss_func"])
+def test_evaluation_on_two_ranks_counts_each_example_once(two_ranks, loss):
+    r = two_ranks["evaluation"]
+    assert r[loss]["num_targets"] == r["reference_targets"]
+    assert r[loss]["loss"] == pytest.approx(r["reference"], rel=1e-5)
