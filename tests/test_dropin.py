@@ -84,27 +84,29 @@ def test_predict_returns_the_logits_stock_returns(tmp_path, data):
         assert ours.metrics["test_num_targets"] == tokens.sum().item()
 
 
-def test_evaluate_without_metrics_keeps_the_fused_path_and_predict_with_loss_only_too(tmp_path):
-    """Where stock throws the logits away, hfacc never builds them (fused loss); the loss is the same."""
+def test_the_fused_path_runs_exactly_where_stock_discards_the_logits(tmp_path):
+    """evaluate() without compute_metrics and prediction_loss_only never build the logits (fused loss); predict does."""
     examples = make_examples(8)
     dataset = Dataset.from_list(examples)
     _, token_loss, _ = full_batch_causal_lm(llama(), examples)
     trainer = TokenWeightedTrainer(model=llama(), args=train_args(tmp_path, 2, 1), data_collator=COLLATE)
-    calls = []
+    trainer.evaluate(dataset)  # resolves the objective (its fused-loss check asks for the projection too)
+    assert trainer.objective.fused
+    fused_forwards = []
     original = trainer.model.get_output_embeddings
 
-    def spy():
-        calls.append(1)
+    def spy():  # the fused path swaps the output projection for one forward: it asks for it every time
+        fused_forwards.append(1)
         return original()
 
-    trainer.model.get_output_embeddings = spy  # the fused path swaps the output projection: it asks for it
+    trainer.model.get_output_embeddings = spy
     assert trainer.evaluate(dataset)["eval_loss"] == pytest.approx(token_loss, rel=1e-5)
-    fused_calls = len(calls)
-    assert fused_calls > 0 and trainer.objective.fused
-    calls.clear()
+    assert fused_forwards
+    fused_forwards.clear()
+    assert trainer.predict(dataset).predictions.shape[-1] == VOCAB and not fused_forwards  # logits: plain path
     trainer.args.prediction_loss_only = True
     output = trainer.predict(dataset)
-    assert output.predictions is None and len(calls) > 0
+    assert output.predictions is None and fused_forwards
     assert output.metrics["test_loss"] == pytest.approx(token_loss, rel=1e-5)
 
 
