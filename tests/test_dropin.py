@@ -237,6 +237,21 @@ def test_compute_loss_func_that_ignores_num_items_in_batch_is_refused_with_the_e
     assert callable(hfacc.FunctionObjective)  # the alternative it names exists
 
 
+def test_a_function_objective_evaluates(tmp_path):
+    """FunctionObjective has no per-sequence sums; evaluation used to ask it for them and fail."""
+    examples = make_examples(8, seed=26)
+    objective = hfacc.FunctionObjective(
+        count_fn=lambda batch: (batch["labels"][:, 1:] != -100).sum(),
+        loss_fn=lambda outputs, batch: hfacc.causal_lm_sums(outputs.logits, batch["labels"]).loss,
+    )
+    trainer = TokenWeightedTrainer(
+        model=llama(), args=train_args(tmp_path, 2, 1), data_collator=COLLATE, objective=objective
+    )
+    _, token_loss, _ = full_batch_causal_lm(llama(), examples)
+    metrics = trainer.evaluate(Dataset.from_list(examples))
+    assert metrics["eval_loss"] == pytest.approx(token_loss, rel=1e-5)
+
+
 def test_compute_loss_func_and_an_objective_are_not_both_taken(tmp_path):
     with pytest.raises(ValueError, match="either compute_loss_func or an hfacc Objective"):
         TokenWeightedTrainer(
