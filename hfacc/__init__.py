@@ -1,7 +1,9 @@
 """hfacc: k accumulated micro-batches give exactly the update of one big batch."""
 
 from .accumulation import MicroBatch, accumulation_window, iter_windows
+from .batching import TokenBudgetBatchSampler, pack_dataset, pack_examples
 from .collator import DataCollatorForCausalLM
+from .data import DataArguments, build_sft_dataset, load_sft_source
 from .loss import (
     IGNORE_INDEX,
     LossSums,
@@ -14,10 +16,11 @@ from .loss import (
     shift_labels,
     squared_error_sums,
 )
-from .modeling import build_tiny_llama, load_causal_lm
+from .modeling import ModelArguments, apply_lora, build_tiny_llama, get_tokenizer, load_causal_lm
 from .objective import (
     CausalLMObjective,
     FunctionObjective,
+    LossFunctionObjective,
     ModelLossObjective,
     MultiLabelObjective,
     Objective,
@@ -27,5 +30,58 @@ from .objective import (
     get_objective,
 )
 from .trainer import NonFiniteLossError, TokenWeightedArguments, TokenWeightedTrainer, get_gradient_scale
+from .verify import AccumulationAuditCallback, verify_accumulation
 
 __version__ = "0.1.0"
+
+# What README users import from `hfacc`; tests/test_docs.py checks that each name is here and importable.
+__all__ = [
+    # training
+    "TokenWeightedTrainer",
+    "TokenWeightedArguments",
+    "NonFiniteLossError",
+    "get_gradient_scale",
+    # data
+    "build_sft_dataset",
+    "load_sft_source",
+    "DataArguments",
+    "DataCollatorForCausalLM",
+    "TokenBudgetBatchSampler",
+    "pack_examples",
+    "pack_dataset",
+    # models
+    "get_tokenizer",
+    "load_causal_lm",
+    "apply_lora",
+    "build_tiny_llama",
+    "ModelArguments",
+    # objectives: what a target is
+    "Objective",
+    "CausalLMObjective",
+    "TokenObjective",
+    "SequenceClassificationObjective",
+    "MultiLabelObjective",
+    "RegressionObjective",
+    "ModelLossObjective",
+    "FunctionObjective",
+    "LossFunctionObjective",
+    "get_objective",
+    # loss math
+    "IGNORE_INDEX",
+    "LossSums",
+    "WindowCounts",
+    "shift_labels",
+    "count_targets",
+    "cross_entropy_sums",
+    "causal_lm_sums",
+    "binary_cross_entropy_sums",
+    "squared_error_sums",
+    "normalize_window_loss",
+    # hand-written loops
+    "iter_windows",
+    "accumulation_window",
+    "MicroBatch",
+    # checking
+    "verify_accumulation",
+    "AccumulationAuditCallback",
+]

@@ -14,11 +14,13 @@ except for :class:`ModelLossObjective`, the explicit fallback for losses hfacc c
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .loss import (
@@ -66,6 +68,9 @@ class Objective:
     name = "custom"
     has_accuracy = True
     exact = True
+    # Whether ``__call__(..., per_sequence=True)`` returns one sum per sequence. Evaluation on several ranks needs
+    # them to drop the examples accelerate repeats; objectives without them are evaluated on the real rows only.
+    sums_per_sequence = True
 
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
@@ -98,10 +103,15 @@ class CausalLMObjective(Objective):
 
     name = "causal_lm"
 
-    def __init__(self, label_smoothing: float = 0.0, fused: bool = False, chunk_size: int = 0):
+    def __init__(
+        self, label_smoothing: float = 0.0, fused: bool = False, chunk_size: int = 0, num_virtual_tokens: int = 0
+    ):
         super().__init__(label_smoothing)
         self.fused, self.chunk_size = fused, chunk_size
-        self.fused_in_eval = True  # False when evaluation needs the logits (compute_metrics)
+        self.fused_in_eval = True  # False when evaluation needs the logits (predictions, compute_metrics)
+        # PEFT prompt tuning puts this many virtual tokens before the inputs, so the logits have as many more
+        # positions (see get_num_virtual_tokens).
+        self.num_virtual_tokens = num_virtual_tokens
 
     def count(self, batch):
         targets = self._targets(batch) != IGNORE_INDEX
@@ -131,11 +141,16 @@ class CausalLMObjective(Objective):
             sums = per_sequence_sums(per_target, correct, targets != IGNORE_INDEX)
         return outputs, sums
 
-    @staticmethod
-    def _targets(batch):
+    def _targets(self, batch):
+        n = self.num_virtual_tokens
         if batch.get("shift_labels") is not None:
-            return batch["shift_labels"]
-        return shift_labels(batch["labels"])
+            return F.pad(batch["shift_labels"], (n, 0), value=IGNORE_INDEX) if n else batch["shift_labels"]
+        labels = batch["labels"]
+        if n:
+            # As PEFT's own loss: the virtual positions get label -100 before the shift, so the last virtual token
+            # predicts the first real one (a target when its label is not -100) and the others predict nothing.
+            labels = F.pad(labels, (n, 0), value=IGNORE_INDEX)
+        return shift_labels(labels)
 
 
 class _FusedOutputHead(nn.Module):
@@ -202,10 +217,8 @@ def check_fused_loss(objective: CausalLMObjective, model: nn.Module, batch: Mapp
     was_training = model.training
     model.eval()  # dropout would make the two runs differ for reasons that have nothing to do with the fusion
     try:
-        fused, plain = (
-            CausalLMObjective(objective.label_smoothing, fused=f, chunk_size=objective.chunk_size)
-            for f in (True, False)
-        )
+        fused, plain = copy.copy(objective), copy.copy(objective)  # same targets (e.g. virtual tokens), both paths
+        fused.fused, plain.fused = True, False
         try:
             outputs, a = fused(model, batch)
         except Exception as err:  # a model whose forward does something unexpected with the projection's output
@@ -323,6 +336,7 @@ class ModelLossObjective(Objective):
     name = "model_loss"
     has_accuracy = False
     exact = False
+    sums_per_sequence = False
 
     def count(self, batch):
         device = batch["labels"].device if torch.is_tensor(batch.get("labels")) else None
@@ -354,6 +368,7 @@ class FunctionObjective(Objective):
 
     name = "function"
     has_accuracy = False
+    sums_per_sequence = False
 
     def __init__(
         self,
@@ -375,6 +390,69 @@ class FunctionObjective(Objective):
         loss = self.loss_fn(outputs, batch)
         count = torch.as_tensor(self.count_fn(batch), device=loss.device).long().reshape(())
         return outputs, LossSums(loss, count, count * 0)
+
+
+class LossFunctionObjective(Objective):
+    """transformers' ``compute_loss_func``, made exact under accumulation.
+
+    ``Trainer(compute_loss_func=f)`` calls ``f(outputs, labels, num_items_in_batch=N)`` and, as transformers
+    documents, ``f`` returns the summed loss over the targets divided by ``N``. Called with ``num_items_in_batch=1``
+    it therefore returns the sum ``S_j`` itself, which hfacc normalizes by the window's global count like any other
+    loss: ``S_j / N_window * P``. The targets are counted by ``counter``, the objective hfacc picks for the model
+    (for a causal LM: labels != -100 after the shift, what transformers counts too).
+
+    A function that ignores ``num_items_in_batch`` (returns a mean) cannot be made exact that way: the first
+    micro-batch with targets is evaluated with ``num_items_in_batch`` 1 and 2, and a function whose result does not
+    halve is refused with an error that shows the exact alternative.
+
+    Args:
+        loss_func: ``(outputs, labels, num_items_in_batch=...) -> loss``, as given to ``transformers.Trainer``.
+        counter: the objective whose ``count`` says what a target is.
+    """
+
+    name = "compute_loss_func"
+    has_accuracy = False
+    sums_per_sequence = False
+
+    def __init__(self, loss_func: Callable[..., torch.Tensor], counter: Objective):
+        super().__init__()
+        self.loss_func, self.counter = loss_func, counter
+        self.checked = False
+
+    def count(self, batch):
+        return self.counter.count(batch)
+
+    def __call__(self, model, batch, per_sequence=False):
+        if per_sequence:
+            raise ValueError("compute_loss_func supports normalization 'token' and 'micro_batch', not 'sequence'")
+        outputs = model(**model_inputs(batch))
+        labels = batch.get("labels")
+        device = labels.device if torch.is_tensor(labels) else None
+        loss = self.loss_func(outputs, labels, num_items_in_batch=torch.tensor(1, device=device))
+        if not self.checked:
+            with torch.no_grad():
+                half = self.loss_func(outputs, labels, num_items_in_batch=torch.tensor(2, device=device))
+            self._check_division(loss.detach().float(), half.detach().float())
+        count = self.counter.count(batch)[0].to(loss.device)
+        return outputs, LossSums(loss, count, count * 0)
+
+    def _check_division(self, one: torch.Tensor, two: torch.Tensor) -> None:
+        if not (torch.isfinite(one) and one.abs() > 0):
+            return  # nothing to learn from a micro-batch without targets: check the next one
+        self.checked = True
+        if not torch.isclose(one, 2 * two, rtol=1e-3, atol=0):
+            raise ValueError(
+                f"compute_loss_func does not divide by num_items_in_batch: it returned {one.item():.6g} with "
+                f"num_items_in_batch=1 and {two.item():.6g} with 2. Its micro-batch means would not add up to the "
+                "big batch's mean. Make it return the loss summed over the targets divided by num_items_in_batch, "
+                "as transformers documents (e.g. transformers.loss.loss_utils.ForCausalLMLoss(outputs['logits'], "
+                "labels, vocab_size, num_items_in_batch)), or drop compute_loss_func and pass the exact equivalent, "
+                "objective=hfacc.FunctionObjective(count_fn=lambda batch: (batch['labels'][..., 1:] != -100).sum(), "
+                "loss_fn=lambda outputs, batch: <the loss summed over those targets>)."
+            )
+
+    def __repr__(self) -> str:
+        return f"LossFunctionObjective(counting like {self.counter!r})"
 
 
 OBJECTIVES = {
@@ -399,9 +477,21 @@ def get_objective(
     ``*ForConditionalGeneration``) -> ``causal_lm``; encoder-decoder models, ``*ForTokenClassification`` and
     ``*ForMaskedLM`` -> ``token``; ``*ForSequenceClassification`` -> by ``config.problem_type`` as transformers
     decides it (1 label -> ``regression``, integer labels -> ``sequence_classification``, else ``multi_label``).
-    A plain ``nn.Module`` with integer labels of shape ``[B, T]`` is taken for a causal LM, with ``[B]`` for a
-    classifier; anything else falls back to ``model_loss``, which is said once in the log.
+    A plain ``nn.Module`` with integer labels of shape ``[B]`` is taken for a classifier. With labels of shape
+    ``[B, T]`` it could be a language model (position i predicts label i + 1) or a tagger (label i belongs to
+    position i): hfacc takes it for a causal LM only when the labels are a copy of ``input_ids`` (where not -100),
+    as language-model data is, and says so at WARNING level; otherwise it refuses to guess and asks for
+    ``objective='causal_lm'`` or ``'token'``. Anything else falls back to ``model_loss``, said once in the log.
+    For PEFT prompt tuning, the causal-LM targets account for the virtual tokens (see
+    :func:`get_num_virtual_tokens`).
     """
+    objective = _pick_objective(model, batch, name, label_smoothing)
+    if isinstance(objective, CausalLMObjective):
+        objective.num_virtual_tokens = get_num_virtual_tokens(model)
+    return objective
+
+
+def _pick_objective(model: nn.Module, batch: Mapping[str, Any], name: str, label_smoothing: float) -> Objective:
     base = get_base_model(model)
     config = getattr(base, "config", None)
     is_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
@@ -441,9 +531,18 @@ def get_objective(
             "multi_label_classification": MultiLabelObjective,
         }[problem_type](label_smoothing)
     if is_integer and labels.dim() >= 2:
-        logger.info(
-            "hfacc: %s is not a transformers head; its integer labels of shape [batch, length] are taken as causal-LM "
-            "labels (position i predicts label i+1). Pass objective='token' if they are already aligned.",
+        if batch.get("shift_labels") is None and not _labels_copy_inputs(labels, batch.get("input_ids")):
+            # A tagger's labels look like a language model's; training one as the other is silently wrong.
+            raise ValueError(
+                f"hfacc cannot tell what the labels of shape {tuple(labels.shape)} of {class_name} (not a transformers "
+                "head) are. Pass objective='causal_lm' if position i predicts label i + 1 (language modelling; "
+                "the labels are then usually a copy of input_ids), or objective='token' if label i belongs to "
+                "position i (token classification, tagging)."
+            )
+        logger.warning(
+            "hfacc: %s is not a transformers head; its labels [batch, length] copy input_ids, so they are taken as "
+            "causal-LM labels (position i predicts label i + 1). Pass objective='causal_lm' to say so, or "
+            "objective='token' if label i belongs to position i.",
             class_name,
         )
         return CausalLMObjective(label_smoothing)
@@ -458,6 +557,44 @@ def get_objective(
         tuple(labels.shape),
     )
     return ModelLossObjective()
+
+
+def _labels_copy_inputs(labels: torch.Tensor, input_ids: Any) -> bool:
+    """Whether ``labels`` equal ``input_ids`` wherever they are not -100: the mark of language-model labels."""
+    if not torch.is_tensor(input_ids) or input_ids.shape != labels.shape:
+        return False
+    targets = labels != IGNORE_INDEX
+    return bool(targets.any()) and bool((labels[targets] == input_ids[targets]).all())
+
+
+def get_num_virtual_tokens(model: nn.Module) -> int:
+    """Virtual tokens a PEFT prompt-learning model puts before the inputs (0 for any other model).
+
+    Prompt tuning, P-tuning and multitask prompt tuning prepend them to the input embeddings, so the logits have
+    that many more positions than the labels. Prefix tuning passes them as a key/value cache instead: the logits
+    keep the inputs' length and the count is 0.
+    """
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        config = getattr(model, "active_peft_config", None)
+        if config is not None:
+            if not getattr(config, "is_prompt_learning", False):
+                return 0
+            kind = str(getattr(config, "peft_type", ""))
+            if kind.endswith(("PREFIX_TUNING", "CARTRIDGE")):
+                return 0
+            if kind.endswith("CPT"):
+                raise NotImplementedError(
+                    "PEFT CPT trains on its prompt tokens with its own weighting; hfacc cannot count its targets. "
+                    "Pass objective='model_loss' (the model's own loss, averaged over micro-batches)."
+                )
+            return int(config.num_virtual_tokens)
+        if hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), nn.Module):
+            model = model.module
+    return 0
 
 
 def compute_micro_batch_loss(
@@ -533,6 +670,8 @@ __all__ = [
     "RegressionObjective",
     "ModelLossObjective",
     "FunctionObjective",
+    "LossFunctionObjective",
     "get_objective",
+    "get_num_virtual_tokens",
     "count_targets",
 ]

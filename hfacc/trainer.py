@@ -26,7 +26,7 @@ from typing import Any
 
 import datasets
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -37,6 +37,7 @@ from .loss import NORMALIZATIONS, LossSums, WindowCounts
 from .objective import (
     OBJECTIVES,
     CausalLMObjective,
+    LossFunctionObjective,
     ModelLossObjective,
     Objective,
     check_fused_loss,
@@ -111,6 +112,13 @@ class TokenWeightedArguments(TrainingArguments):
             "relative error as accumulation_audit_error (0: off). Costs about one extra window per audit."
         },
     )
+    audit_tolerance: float = field(
+        default=0.0,
+        metadata={
+            "help": "Audit error above which a warning is printed. 0: from the training precision, "
+            "max(1e-4, 4 x machine epsilon): 1e-4 in fp32, 3.1e-2 in bf16, 3.9e-3 in fp16."
+        },
+    )
 
     def __post_init__(self):
         if not self.use_cpu and not torch.accelerator.is_available():
@@ -135,6 +143,8 @@ def validate_settings(args: Any) -> None:
         raise ValueError("loss_chunk_size must be >= 0 (0 picks a size from the vocabulary).")
     if getattr(args, "audit_every_n_steps", 0) < 0:
         raise ValueError("audit_every_n_steps must be >= 0 (0 turns the audit off).")
+    if getattr(args, "audit_tolerance", 0.0) < 0:
+        raise ValueError("audit_tolerance must be >= 0 (0 derives it from the training precision).")
     if getattr(args, "max_skipped_steps", 0) < 0:
         raise ValueError("max_skipped_steps must be >= 0 (0 never stops training).")
     if args.gradient_accumulation_steps < 1:
@@ -193,6 +203,11 @@ class TokenWeightedTrainer(Trainer):
         self.max_skipped_steps = getattr(self.args, "max_skipped_steps", 10)
         self._objective_setting = objective if objective is not None else getattr(self.args, "objective", "auto")
         self.objective: Objective | None = self._objective_setting if isinstance(objective, Objective) else None
+        if self.compute_loss_func is not None and self.objective is not None:
+            raise ValueError(
+                "Pass either compute_loss_func or an hfacc Objective, not both: each of them defines the loss. "
+                "(objective='<name>' only says how targets are counted and combines with compute_loss_func.)"
+            )
         pc = getattr(self.accelerator, "parallelism_config", None)
         if pc is not None and any(getattr(pc, f"{kind}_enabled", False) for kind in ("tp", "cp", "sp")):
             raise NotImplementedError(
@@ -211,6 +226,9 @@ class TokenWeightedTrainer(Trainer):
             self.label_names = ["labels"]
         self.window: WindowCounts | None = None
         self.window_batches: list = []
+        self._repeated_batches: set[int] = set()  # micro-batches of the window that only repeat examples
+        self._repeats_said = False
+        self._eval_needs_logits = True  # evaluation_loop says when predictions are thrown away
         self._packing_checked = False
         self._window_left = 0
         self.meter = LossMeter(self.args.device)
@@ -218,7 +236,10 @@ class TokenWeightedTrainer(Trainer):
             from .verify import AccumulationAuditCallback
 
             # Before the guard: the audit must see the window's gradient before a skip could drop it.
-            self.add_callback(AccumulationAuditCallback(self, every_n_steps=self.args.audit_every_n_steps))
+            tolerance = getattr(self.args, "audit_tolerance", 0.0) or None
+            self.add_callback(
+                AccumulationAuditCallback(self, every_n_steps=self.args.audit_every_n_steps, tolerance=tolerance)
+            )
         self.add_callback(_WindowGuard(self))
 
     # ---- data: micro-batches to a token budget ----------------------------------------------------------------
@@ -262,13 +283,42 @@ class TokenWeightedTrainer(Trainer):
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
         """Collect the window's micro-batches and count their targets over all ranks (one collective)."""
         batch_samples = list(islice(epoch_iterator, num_batches))
-        self.window_batches = batch_samples  # the Trainer holds these for the whole window anyway
+        self._repeated_batches = self._drop_repeated_examples(batch_samples)
+        # The Trainer holds these for the whole window anyway; the audit recomputes the window from them.
+        self.window_batches = [b for j, b in enumerate(batch_samples) if j not in self._repeated_batches]
         if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
             self._check_packing(batch_samples[0])
-        self.window = self.count_window(batch_samples, device)
+        self.window = self.count_window(self.window_batches, device)
         self._window_left = len(batch_samples)
         self.meter.start_window()
         return batch_samples, self.window.num_targets
+
+    def _drop_repeated_examples(self, batch_samples: list) -> set[int]:
+        """Keep the examples accelerate repeats at the end of an epoch out of the window; return all-repeat batches.
+
+        With several ranks, accelerate (``even_batches``) fills the last batch of every rank with examples from the
+        start of the epoch, so that all ranks take the same number of steps. Stock Trainer trains those examples a
+        second time, and counts them. Here the last micro-batch is cut to its real rows; a micro-batch that holds
+        only repeats still runs (every rank must take part in the gradient all-reduce) but contributes nothing.
+        """
+        if not batch_samples:
+            return set()
+        last = batch_samples[-1]
+        rows = _num_rows(last)
+        real = count_real_rows(self.accelerator, rows)
+        if real >= rows:
+            return set()
+        if not self._repeats_said:
+            self._repeats_said = True
+            logger.warning(
+                "hfacc: the last batch of the epoch on rank %d holds %d example(s) that accelerate repeats so that "
+                "every rank gets a full batch (even_batches); hfacc neither counts nor trains them, so the last step "
+                "is the exact mean over the real examples (stock Trainer trains them twice).",
+                self.accelerator.process_index,
+                rows - real,
+            )
+        batch_samples[-1] = take_rows(last, max(real, 1))
+        return {len(batch_samples) - 1} if real == 0 else set()
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # Replaces the stock count (and its cross-rank gather) wherever the Trainer asks for it, e.g. in
@@ -301,7 +351,10 @@ class TokenWeightedTrainer(Trainer):
             self.objective = get_objective(
                 self.model, batch, name=self._objective_setting, label_smoothing=self.args.label_smoothing_factor
             )
-            if isinstance(self.objective, CausalLMObjective):
+            if self.compute_loss_func is not None:
+                # The user's loss, with hfacc's count of the targets: exact if it divides by num_items_in_batch.
+                self.objective = LossFunctionObjective(self.compute_loss_func, counter=self.objective)
+            elif isinstance(self.objective, CausalLMObjective):
                 self._setup_fused_loss(self.objective, batch)
             logger.info("hfacc: objective %s, normalization %r", self.objective, self.normalization)
             if isinstance(self.objective, ModelLossObjective) and self.normalization != "micro_batch":
@@ -310,7 +363,6 @@ class TokenWeightedTrainer(Trainer):
 
     def _setup_fused_loss(self, objective: CausalLMObjective, batch: Mapping[str, Any]) -> None:
         objective.chunk_size = getattr(self.args, "loss_chunk_size", 0)
-        objective.fused_in_eval = self.compute_metrics is None  # compute_metrics needs real logits
         if not getattr(self.args, "fused_loss", True):
             return
         if self.normalization == "sequence":
@@ -327,30 +379,62 @@ class TokenWeightedTrainer(Trainer):
 
     # ---- the loss: once per micro-batch ---------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """``S_j / N_window * P`` in training; the micro-batch's own mean in evaluation."""
+        """``S_j / N_window * P`` in training; the micro-batch's own mean in evaluation.
+
+        With ``return_outputs`` the outputs come back as stock Trainer's ``prediction_step`` reads them: a tuple
+        output starts with the loss (the model ran without labels, so hfacc puts it there), a dict has no "loss".
+        """
         objective = self.get_objective(inputs)
         if model.training:
-            window = self._take_window_slot(inputs)
+            window, repeated = self._take_window_slot(inputs)
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
             loss, outputs, sums = compute_micro_batch_loss(
                 objective, model, inputs, window, normalization=self.normalization, world_size=world
             )
+            if repeated:  # only examples accelerate repeated: run for the all-reduce, contribute nothing
+                loss, sums = loss * 0, LossSums(*(torch.zeros_like(t) for t in sums))
             self.meter.add_micro_batch(sums)
         else:
-            outputs, sums = objective(model, inputs, per_sequence=True)
+            if isinstance(objective, CausalLMObjective):
+                # The fused path returns loss sums where the logits would be: only when nobody reads the logits.
+                objective.fused_in_eval = not self._eval_needs_logits
+            outputs, sums = self._evaluation_sums(objective, model, inputs)
             loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
-            self.meter.add_eval(sums, self.accelerator)
-        return (loss, outputs) if return_outputs else loss
+        if not return_outputs:
+            return loss
+        if not isinstance(objective, ModelLossObjective):  # that one gave the labels to the model: its own loss leads
+            if torch.is_tensor(outputs):
+                outputs = (loss, outputs)
+            elif isinstance(outputs, (tuple, list)):
+                outputs = (loss, *outputs)
+        return loss, outputs
 
-    def _take_window_slot(self, inputs) -> WindowCounts:
+    def _evaluation_sums(self, objective: Objective, model, inputs) -> tuple[Any, LossSums]:
+        """Run one evaluation batch; add its sums, without the examples accelerate repeated, to the meter."""
+        if objective.sums_per_sequence:
+            outputs, sums = objective(model, inputs, per_sequence=True)
+            self.meter.add_eval(sums, self.accelerator)  # gather_for_metrics drops the repeated rows
+            return outputs, sums
+        outputs, sums = objective(model, inputs)
+        rows = _num_rows(inputs)
+        real = count_real_rows(self.accelerator, rows)
+        counted = sums
+        if real < rows:  # the last batch on several ranks: count its real rows only
+            counted = objective(model, take_rows(inputs, real))[1] if real else LossSums(*(t * 0 for t in sums))
+        self.meter.add_eval_local(counted.total())
+        return outputs, sums
+
+    def _take_window_slot(self, inputs) -> tuple[WindowCounts, bool]:
         if self._window_left <= 0:
             # compute_loss called outside the Trainer's loop (e.g. a user's own `training_step` call): the
             # micro-batch is a window of its own.
             self.window = self.count_window([inputs], self.args.device)
             self._window_left = 1
+            self._repeated_batches = set()
             self.meter.start_window()
+        index = self.window.num_micro_batches + len(self._repeated_batches) - self._window_left
         self._window_left -= 1
-        return self.window
+        return self.window, index in self._repeated_batches
 
     # ---- what gets logged -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -364,10 +448,21 @@ class TokenWeightedTrainer(Trainer):
     def evaluation_loop(
         self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
     ):
-        """The stock loop; its ``{prefix}_loss`` (a mean of batch means) becomes the token-weighted mean."""
+        """The stock loop; its ``{prefix}_loss`` (a mean of batch means) becomes the token-weighted mean.
+
+        Predictions are what stock returns (the model's logits); the fused loss, which never builds them, runs
+        only where stock throws them away: ``prediction_loss_only``, and ``evaluate()`` without ``compute_metrics``.
+        """
         self.meter.reset_eval()
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        totals = self.meter.eval_totals()
+        loss_only = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
+        self._eval_needs_logits = not loss_only
+        try:
+            output = super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
+        finally:
+            self._eval_needs_logits = True
+        totals = self.meter.eval_totals(self.accelerator)
         if totals is not None:
             loss_sum, count, correct = totals
             output.metrics[f"{metric_key_prefix}_loss"] = loss_sum / max(count, 1)
@@ -379,9 +474,28 @@ class TokenWeightedTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """``Trainer.train``; ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint."""
         resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        self._undo_evaluation_preparation()
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
         return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
+
+    def _undo_evaluation_preparation(self) -> None:
+        """Let ``train()`` wrap the model for data parallelism after an ``evaluate()`` that came first.
+
+        The stock evaluation loop prepares a bare model in evaluation mode (no DDP wrapper), and accelerate marks it
+        prepared; ``train()``'s own prepare then returns it unwrapped, so on several ranks each rank steps with its
+        own gradient, never all-reduced (transformers 5.24 with accelerate 1.15; the recipe evaluates first).
+        """
+        model = self.model
+        if (
+            self.accelerator.num_processes > 1
+            and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # those prepare fully in evaluation too
+            and self.model_wrapped is model
+            and getattr(model, "_is_accelerate_prepared", False)
+        ):
+            extract_model_from_parallel(model, keep_fp32_wrapper=False)  # prepare() puts the autocast wrapper back
+            model._is_accelerate_prepared = False
+            self.accelerator._models = [m for m in self.accelerator._models if m is not model]
 
     def _save_checkpoint(self, model, trial) -> None:
         """The stock checkpoint, then a completion marker, then rotation: a crash mid-save never costs the last good one.
@@ -396,6 +510,9 @@ class TokenWeightedTrainer(Trainer):
         finally:
             self.args.save_total_limit = limit
         run_dir = self._get_output_dir(trial=trial)
+        # Every rank writes files of its own (its RNG state; shards under FSDP/DeepSpeed): the marker, which lists
+        # the checkpoint's files, must wait until all of them are written.
+        self.accelerator.wait_for_everyone()
         if self.args.should_save:
             mark_checkpoint_complete(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
             rotate_checkpoints(
@@ -476,8 +593,9 @@ class LossMeter:
         return logs
 
     def reset_eval(self) -> None:
-        self.eval = torch.zeros(3, dtype=self.dtype, device=self.device)  # [loss sum, count, correct]
-        self.eval_seen = False
+        self.eval = torch.zeros(3, dtype=self.dtype, device=self.device)  # [loss sum, count, correct], all ranks
+        self.eval_local = torch.zeros(3, dtype=self.dtype, device=self.device)  # this rank's, reduced at the end
+        self.eval_seen = self.eval_local_seen = False
 
     def add_eval(self, sums: LossSums, accelerator) -> None:
         per_example = torch.stack([sums.loss.detach(), sums.count, sums.correct], dim=-1).to(self.dtype)
@@ -487,15 +605,64 @@ class LossMeter:
         self.eval += per_example.reshape(-1, 3).sum(0)
         self.eval_seen = True
 
-    def eval_totals(self) -> tuple[float, int, float] | None:
-        if not self.eval_seen:
+    def add_eval_local(self, sums: LossSums) -> None:
+        """Sums of this rank's real examples only (objectives without per-sequence sums)."""
+        self.eval_local += torch.stack([sums.loss.detach(), sums.count, sums.correct]).to(self.eval_local)
+        self.eval_local_seen = True
+
+    def eval_totals(self, accelerator=None) -> tuple[float, int, float] | None:
+        if not (self.eval_seen or self.eval_local_seen):
             return None
-        loss_sum, count, correct = self.eval.tolist()
+        total = self.eval.clone()
+        if self.eval_local_seen:
+            total += _reduce(self.eval_local, accelerator) if accelerator is not None else self.eval_local
+        loss_sum, count, correct = total.tolist()
         return loss_sum, int(count), correct
 
 
 def _reduce(t: torch.Tensor, accelerator) -> torch.Tensor:
     return accelerator.reduce(t.clone(), reduction="sum") if accelerator.num_processes > 1 else t
+
+
+def count_real_rows(accelerator, rows: int) -> int:
+    """How many of the ``rows`` of the batch just drawn are real examples, not accelerate's repeats.
+
+    On several ranks, accelerate's ``even_batches`` completes the last global batch of an epoch with examples from
+    its start. Ranks take consecutive blocks of that batch, so rank r's real rows are
+    ``clamp(remainder - r * per_rank, 0, per_rank)`` (the rule ``gather_for_metrics`` drops them by); with a batch
+    sampler of varying batch sizes whole batches are repeated, to the ranks past ``num_batches % P``.
+    """
+    world = accelerator.num_processes
+    loader = accelerator.gradient_state.active_dataloader
+    if world == 1 or loader is None or not getattr(loader, "end_of_dataloader", False):
+        return rows
+    from accelerate.data_loader import DataLoaderShard
+
+    if not isinstance(loader, DataLoaderShard):
+        return rows  # DataLoaderDispatcher (iterable datasets) pads differently: nothing known to drop
+    rank = accelerator.process_index
+    shard = getattr(loader, "batch_sampler", None)
+    if getattr(shard, "batch_size", 1) is None:  # varying batch sizes (e.g. hfacc's token budget)
+        extra = getattr(shard, "total_length", 0) % world
+        return 0 if extra and rank >= extra else rows
+    remainder = getattr(loader, "remainder", -1)
+    if remainder is None or remainder <= 0 or getattr(shard, "drop_last", False):
+        return rows  # the last global batch is full (or dropped, or unknown)
+    per_rank = loader.total_batch_size // world
+    return min(rows, max(0, min(per_rank, remainder - rank * per_rank)))
+
+
+def take_rows(batch: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """The first ``n`` rows of every tensor of ``batch`` that has its batch dimension."""
+    rows = _num_rows(batch)
+    return {k: v[:n] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows else v for k, v in batch.items()}
+
+
+def _num_rows(batch: Mapping[str, Any]) -> int:
+    for key in ("labels", "input_ids", "inputs_embeds", "attention_mask"):
+        if torch.is_tensor(batch.get(key)) and batch[key].dim() > 0:
+            return batch[key].shape[0]
+    return next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
 class _WindowGuard(TrainerCallback):

@@ -516,7 +516,33 @@ __all__ = [
     "verify_accumulation",
     "diagnose",
     "AccumulationAuditCallback",
+    "get_audit_tolerance",
 ]
+
+
+def get_audit_tolerance(dtype: torch.dtype) -> float:
+    """The largest audit error that still counts as exact when the training arithmetic runs in ``dtype``.
+
+    The audit compares two computations of the same gradient that are equal in exact arithmetic but round
+    differently (micro-batches of different shapes). In fp32 that difference is ~1e-7, and the tolerance 1e-4. In
+    half precision it is a fraction of the format's machine epsilon: measured on a tiny Llama under bf16 autocast,
+    1.7e-3 to 2.3e-3 (epsilon 2**-7 = 7.8e-3), while ``hfacc verify`` measures bf16's rounding against fp32 at
+    5.4e-3. The tolerance is ``max(1e-4, 4 * epsilon)``: 3.1e-2 in bf16, 3.9e-3 in fp16. What breaks equivalence
+    (dropout, batch statistics, a mean of micro-batch means) gives errors of 0.1 and more.
+
+    >>> get_audit_tolerance(torch.bfloat16)
+    0.03125
+    """
+    return max(1e-4, 4 * torch.finfo(dtype).eps)
+
+
+def get_compute_dtype(trainer) -> torch.dtype:
+    """The precision the trainer's arithmetic runs in: the autocast dtype of mixed precision, else the weights'."""
+    mixed = getattr(trainer.accelerator, "mixed_precision", "no")
+    if mixed in ("bf16", "fp16"):
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed]
+    dtypes = [p.dtype for p in trainer.model.parameters() if p.is_floating_point() and p.requires_grad]
+    return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
 
 
 class AccumulationAuditCallback(TrainerCallback):
@@ -524,19 +550,26 @@ class AccumulationAuditCallback(TrainerCallback):
 
     Just before the optimizer step, the window's gradient is recomputed from the same parameters with every example
     as its own micro-batch (same window normalization), and compared with the gradient training accumulated. Only
-    batch size 1 is ever run, so the audit needs no more memory than training. An exact setup gives fp32 rounding
-    (~1e-7); batch statistics, randomness or a mis-normalized loss show up as large errors. The error is logged as
-    ``accumulation_audit_error`` and a warning is printed above ``tolerance``. RNG states are restored afterwards,
-    so an audited run trains exactly like an unaudited one.
+    batch size 1 is ever run, so the audit needs no more memory than training. An exact setup gives the rounding of
+    the training precision (~1e-7 in fp32, ~2e-3 in bf16); batch statistics, randomness or a mis-normalized loss
+    show up as large errors. The error is logged as ``accumulation_audit_error`` and a warning is printed above
+    ``tolerance`` (by default :func:`get_audit_tolerance` of the precision the trainer computes in). RNG states are
+    restored afterwards, so an audited run trains exactly like an unaudited one.
 
     >>> trainer.add_callback(AccumulationAuditCallback(trainer, every_n_steps=100))  # doctest: +SKIP
     """
 
-    def __init__(self, trainer, every_n_steps: int = 100, tolerance: float = 1e-4):
+    def __init__(self, trainer, every_n_steps: int = 100, tolerance: float | None = None):
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps}: it must be >= 1.")
+        if tolerance is not None and not tolerance > 0:
+            raise ValueError(f"tolerance={tolerance}: it must be > 0 (or None: from the training precision).")
         self.trainer, self.every_n_steps, self.tolerance = trainer, every_n_steps, tolerance
         self.errors: list[tuple[int, float]] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.tolerance is None:
+            self.tolerance = get_audit_tolerance(get_compute_dtype(self.trainer))
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         trainer = self.trainer

@@ -1,0 +1,197 @@
+"""Every fenced code block of README.md and docs/*.md runs here, or is skipped with its reason: none goes unseen.
+
+- ```python blocks are executed. Where a block uses objects its prose defines (`model`, `tokenizer`, ...), they
+  come from FIXTURES below; everything else a block needs it must import or define itself.
+- ```bash blocks are split into commands. Each command is looked up in COMMANDS: it runs, or it is skipped with
+  the reason written there (it needs the Hub, it is the long main job CI runs, ...), after a dry check of what can
+  be checked offline (its flags parse against the recipe, the files it names exist). A command that is not in
+  COMMANDS fails: whoever adds one to the docs decides here whether it runs.
+- ```text / ```console blocks are output; ```yaml blocks must parse. A block without a language fails.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, load_recipe, recipe_types
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+OUTPUT_LANGUAGES = {"text", "console", "output"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: on 2 shared cores, synchronizing torch's threads costs more than they compute."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def fenced_blocks(path: Path) -> list[tuple[int, str, str]]:
+    """``(line, language, code)`` of every fenced block of a Markdown file (``` fences, at any indentation)."""
+    blocks, lines = [], path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        match = re.match(r"^\s*```(\S*)\s*$", lines[i])
+        if not match:
+            i += 1
+            continue
+        start, language, body = i + 1, match.group(1).lower(), []
+        i += 1
+        while i < len(lines) and not re.match(r"^\s*```\s*$", lines[i]):
+            body.append(lines[i])
+            i += 1
+        blocks.append((start, language, "\n".join(body)))
+        i += 1
+    return blocks
+
+
+BLOCKS = [(path, line, lang, code) for path in DOCS for line, lang, code in fenced_blocks(path)]
+
+
+def block_id(block) -> str:
+    path, line, lang, _ = block
+    return f"{path.name}:{line}:{lang or 'none'}"
+
+
+def commands(code: str) -> list[str]:
+    """The commands of a shell block: continuation lines joined, comments dropped."""
+    joined = re.sub(r"\\\n\s*", " ", code)
+    out = []
+    for line in joined.splitlines():
+        line = re.sub(r"\s+#.*$", "", line).strip()
+        if line and not line.startswith("#"):
+            out.append(" ".join(line.split()))
+    return out
+
+
+# What happens to each documented command: ("run", timeout in s) or ("skip", why). Keys are the normalized command.
+COMMANDS = {
+    'pip install -e ".[dev]"': ("skip", "installs the package into the environment; CI's first step runs it"),
+    "accelerate launch recipes/sft.py": (
+        "skip",
+        "the main job (~2.5 min); CI runs it as written, tests/test_recipe.py runs the same recipe shortened",
+    ),
+    "python -m pytest": ("skip", "the test suite itself (this test is part of it); CI runs it as written"),
+    "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
+        "skip",
+        "downloads Qwen2.5-0.5B-Instruct and its dataset from the Hub",
+    ),
+    "accelerate launch recipes/sft.py --model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct --dataset_name "
+    "my_data.jsonl --per_device_train_batch_size 4 --gradient_accumulation_steps 8": (
+        "skip",
+        "downloads SmolLM2-135M-Instruct from the Hub and reads the user's own my_data.jsonl",
+    ),
+    "accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sft.py": (
+        "skip",
+        "the main job on two processes (~5 min); tests/test_recipe.py runs it shortened through the same config",
+    ),
+}
+
+SHELL_BLOCKS = [b for b in BLOCKS if b[2] in ("bash", "sh", "shell")]
+SHELL_COMMANDS = [(block, command) for block in SHELL_BLOCKS for command in commands(block[3])]
+
+
+def test_every_block_has_a_language_this_test_handles():
+    import yaml
+
+    known = {"python", "bash", "sh", "shell", "yaml", *OUTPUT_LANGUAGES}
+    unknown = [block_id(b) for b in BLOCKS if b[2] not in known]
+    assert not unknown, f"fenced blocks without a language this test runs or recognizes: {unknown}"
+    assert any(b[2] == "python" for b in BLOCKS) and SHELL_COMMANDS  # the extraction found the README's blocks
+    for block in BLOCKS:
+        if block[2] == "yaml":
+            yaml.safe_load(block[3])  # a config shown in the docs must at least parse
+
+
+def test_every_documented_command_has_a_decision():
+    missing = [f"{block_id(block)}: {command}" for block, command in SHELL_COMMANDS if command not in COMMANDS]
+    assert not missing, (
+        "commands in the docs that tests/test_docs.py neither runs nor skips with a reason:\n" + "\n".join(missing)
+    )
+    documented = {command for _, command in SHELL_COMMANDS}
+    assert not set(COMMANDS) - documented, f"stale entries in COMMANDS: {set(COMMANDS) - documented}"
+
+
+def dry_check(command: str) -> None:
+    """What can be checked offline about a command that is not run: its files exist and its flags parse."""
+    argv = shlex.split(command)
+    if argv[:3] == ["pip", "install", "-e"]:
+        extras = re.findall(r"\[(.*)\]", argv[3])
+        pyproject = (ROOT / "pyproject.toml").read_text()
+        for extra in extras[0].split(",") if extras else []:
+            assert re.search(rf"^{extra} = \[", pyproject, re.M), f"pyproject.toml has no extra {extra!r}"
+        return
+    if argv[:2] == ["accelerate", "launch"]:
+        script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+        launcher, recipe_args = argv[2:script], argv[script + 1 :]
+        if "--config_file" in launcher:
+            assert (ROOT / launcher[launcher.index("--config_file") + 1]).is_file()
+        assert (ROOT / argv[script]).is_file()
+        module = load_recipe(Path(argv[script]).stem)
+        from hfacc.config import parse_args
+
+        if "--config" not in recipe_args and not any(a == "--model_name_or_path" for a in recipe_args):
+            recipe_args = ["--config", str(module.DEFAULT_CONFIG), *recipe_args]
+        parse_args(recipe_types(module), recipe_args)  # unknown flags, bad values and config keys raise here
+
+
+@pytest.mark.parametrize("block,command", SHELL_COMMANDS, ids=[f"{block_id(b)}:{c[:60]}" for b, c in SHELL_COMMANDS])
+def test_shell_command(block, command, tmp_path):
+    action, detail = COMMANDS.get(command, ("missing", None))
+    if action == "missing":
+        pytest.fail(f"{command!r} ({block_id(block)}) has no entry in COMMANDS")
+    if action == "run":
+        proc = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=detail)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return
+    dry_check(command)
+    pytest.skip(f"not run: {detail} (its files and flags were checked)")
+
+
+# ---- python blocks ----------------------------------------------------------------------------------------------
+def fixtures() -> dict:
+    """Objects the README's prose defines rather than its code: a tiny offline model, tokenizer, data, loop parts."""
+    import torch
+    from accelerate import Accelerator
+    from datasets import Dataset
+
+    from hfacc import DataCollatorForCausalLM, build_sft_dataset, build_tiny_llama
+    from hfacc.embedded import build_default_tokenizer
+
+    tokenizer = build_default_tokenizer()
+    raw_dataset = Dataset.from_list(
+        [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a, b in [(2, 2), (10, 5), (7, 8), (31, 11)] * 2]
+    )
+    model = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=1)
+    collate = DataCollatorForCausalLM(tokenizer.pad_token_id)
+    examples = build_sft_dataset(raw_dataset, tokenizer).to_list()
+    dataloader = [collate(examples[i : i + 2]) for i in range(0, len(examples), 2)]
+    return {
+        "model": model,
+        "tokenizer": tokenizer,
+        "raw_dataset": raw_dataset,
+        "accelerator": Accelerator(cpu=True),
+        "optimizer": torch.optim.SGD(model.parameters(), lr=1e-3),
+        "dataloader": dataloader,
+        "k": 2,
+    }
+
+
+PYTHON_BLOCKS = [b for b in BLOCKS if b[2] == "python"]
+
+
+@pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[block_id(b) for b in PYTHON_BLOCKS])
+def test_python_block_runs(block, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # blocks write their outputs (output_dir="out") where they run
+    namespace = fixtures()
+    code = compile(block[3], f"{block[0].name}:{block[1]}", "exec")
+    exec(code, namespace)  # noqa: S102 - the docs' own code, run as a user would
