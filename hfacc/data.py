@@ -647,6 +647,11 @@ def build_examples(args: DataArguments, tokenizer, count: int, start: int = 0, s
     For tools that look at a few examples (``hfacc verify``, ``hfacc show-mask``): only about twice as many rows
     as needed are loaded (or generated), never the whole dataset.
     """
+    return build_sft_dataset(example_rows(args, count, start, seed), tokenizer, **args.sft_options())
+
+
+def example_rows(args: DataArguments, count: int, start: int = 0, seed: int = 0):
+    """The raw rows behind :func:`build_examples` (a ``datasets.Dataset``)."""
     rows = max(2 * (start + count), 16)
     raw, _ = load_sft_source(
         args.dataset_name,
@@ -657,5 +662,41 @@ def build_examples(args: DataArguments, tokenizer, count: int, start: int = 0, s
         num_embedded=rows,
         max_examples=rows,
     )
-    raw = raw.select(range(min(start, len(raw)), min(len(raw), start + count)))
-    return build_sft_dataset(raw, tokenizer, **args.sft_options())
+    return raw.select(range(min(start, len(raw)), min(len(raw), start + count)))
+
+
+def describe_row(row: Mapping[str, Any]) -> str:
+    """One line on what a chat row holds: its messages with their tool calls, reasoning and parts, and its tools.
+
+    >>> describe_row({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "",
+    ...     "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]})
+    'messages: user, assistant [tool call get_weather(city)]'
+    """
+    conversation = [
+        m for key in ("prompt", "completion", "messages") if _is_conversation(row.get(key)) for m in row[key]
+    ]
+    if not conversation:
+        return ""
+    parts = []
+    for m in conversation:
+        m = _drop_none(m)
+        notes = []
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call)
+            arguments = fn.get("arguments")
+            names = ", ".join(arguments) if isinstance(arguments, Mapping) else "..."
+            notes.append(f"tool call {fn.get('name')}({names})")
+        reasoning = next((m[k] for k in REASONING_FIELDS if isinstance(m.get(k), str)), None)
+        if reasoning is not None:
+            notes.append(f"reasoning {len(reasoning)} chars")
+        if isinstance(m.get("content"), list):
+            notes.append(f"{len(m['content'])} content parts")
+        parts.append(m.get("role", "?") + (f" [{'; '.join(notes)}]" if notes else ""))
+    line = "messages: " + ", ".join(parts)
+    try:
+        tools = normalize_tools(row.get("tools"), 0)
+    except DataError:
+        tools = None
+    if tools:
+        line += "; tools: " + ", ".join(str(t.get("function", t).get("name")) for t in tools)
+    return line

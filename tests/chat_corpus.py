@@ -204,3 +204,53 @@ def legacy_labels(tokenizer, messages: list[dict], trainable: list[int], tools=N
     ends = [end for _, end in encoding["offset_mapping"]]
     labels = [t if any(a < e <= b for a, b in spans) else -100 for t, e in zip(ids, ends, strict=True)]
     return text, ids, labels
+
+
+CITIES = ["Paris", "Lyon", "Oslo", "Rome", "Lima", "Kyiv", "Cairo", "Delhi", "Tokyo", "Quito", "Hanoi", "Dakar"]
+
+
+def tool_calling_rows(n: int, seed: int = 0) -> list[dict]:
+    """``n`` generated tool-calling conversations (the ``tools`` column a JSON string, as many datasets store it):
+    the user asks for a city's weather, the assistant calls get_weather, the tool answers, the assistant reports.
+    Every fourth row is a plain exchange without tools."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        city, degrees = rng.choice(CITIES), rng.randint(-5, 35)
+        if i % 4 == 3:
+            messages = [
+                {"role": "user", "content": f"Spell {city}."},
+                {"role": "assistant", "content": " ".join(city.upper())},
+            ]
+            rows.append({"messages": messages, "tools": None})
+            continue
+        call = {
+            "id": f"call{i:05d}",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": city}},
+        }
+        messages = [
+            {"role": "user", "content": f"What is the weather in {city}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "name": "get_weather", "content": f"{degrees} C"},
+            {"role": "assistant", "content": f"It is {degrees} C in {city}."},
+        ]
+        rows.append({"messages": messages, "tools": json.dumps(TOOLS)})
+    return rows
+
+
+def save_qwen_style_tokenizer(rows: list[dict], directory) -> None:
+    """A BPE tokenizer with Qwen2.5's chat template and markers, trained on the rendered rows, saved to disk."""
+    first = tokenizer_for("qwen2_5")
+    texts = [
+        first.apply_chat_template(r["messages"], tools=json.loads(r["tools"]) if r["tools"] else None, tokenize=False)
+        for r in rows
+    ]
+    spec = index()["families"]["qwen2_5"]["tokenizer"]
+    tokenizer = build_bpe_tokenizer(
+        texts, 600, spec["special"], eos_token=spec["eos"], pad_token=spec["pad"], chat_template=template("qwen2_5")
+    )
+    tokenizer.add_tokens(spec["added"])
+    tokenizer.save_pretrained(directory)

@@ -329,3 +329,30 @@ def test_json_rows_with_tool_calls_reasoning_and_parts_validate_and_errors_name_
         r"message 1: expected a dict with 'role' and 'content'.*only an assistant message with 'tool_calls'",
     )
     bad({"messages": [REASONING[0], {**REASONING[1], "reasoning_content": 3}]}, r"the reasoning must be a string")
+
+
+def test_show_mask_shows_tool_calls_reasoning_and_how_rows_were_masked(tmp_path, capsys):
+    from hfacc.cli import main as cli_main
+    from tests.chat_corpus import save_qwen_style_tokenizer, tool_calling_rows
+
+    rows = tool_calling_rows(8)
+    for row in rows:  # reasoning in every row (Qwen2.5's template does not render it; show-mask still says so)
+        row["messages"][-1]["reasoning_content"] = "Say what the tool said."
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save_qwen_style_tokenizer(rows, tmp_path / "tokenizer")
+    argv = [
+        "--dataset_name",
+        str(data),
+        "--tokenizer_name_or_path",
+        str(tmp_path / "tokenizer"),
+        "--max_length",
+        "1024",
+    ]
+    assert cli_main(["show-mask", "--count", "3", "--color", "false", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.count("masked by the template's message segments") == 3
+    calls = "messages: user, assistant [tool call get_weather(city)], tool, assistant [reasoning 23 chars]"
+    assert calls + "; tools: get_weather" in out
+    assert '[[<tool_call>\n{"name": "get_weather", "arguments": {"city": ' in out  # the call is trained
+    assert "<|im_start|>user\n<tool_response>\n" in out and "[[" not in out.split("<tool_response>")[1][:12]
