@@ -125,7 +125,8 @@ class ChatRenderer:
     """One chat template, compiled twice: as transformers compiles it, and with loop-iteration markers."""
 
     def __init__(self, tokenizer, template: str):
-        self.tokenizer = tokenizer
+        # A weak reference: the renderer is cached against the tokenizer and must not keep it alive.
+        self._tokenizer = weakref.ref(tokenizer)
         self.template = template
         self.has_generation = bool(_GENERATION_TAG.search(template))
         self.template_kwargs = dict(tokenizer.special_tokens_map)
@@ -148,6 +149,10 @@ class ChatRenderer:
         if len(self._checked) < 100_000:
             self._checked.add(shape)
         return True
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer()
 
     def reference(self, messages, tools, add_generation_prompt=False) -> str:
         """The text ``apply_chat_template`` renders: the tokens trained on are always the template's own."""
@@ -222,18 +227,33 @@ class ChatRenderer:
         return self._boundaries[text]
 
     def _probe_content_mode(self) -> str:
-        def reads(content):
+        """Render probe conversations with string and with text-part content: which does the template read?
+
+        Read means every probe text is in the output and no part was dumped as a dict (``'type'``/``"type"``).
+        The probe with a system message counts only where the template accepts a system message at all.
+        """
+
+        def reads(content, system: bool) -> bool:
             conversation = [
                 {"role": "user", "content": content(PROBE_TEXT + " one")},
                 {"role": "assistant", "content": content(PROBE_TEXT + " two")},
             ]
+            if system:
+                conversation.insert(0, {"role": "system", "content": content(PROBE_TEXT + " zero")})
             try:
                 text = self.reference(conversation, None)
             except ChatTemplateError:
                 return False
-            return PROBE_TEXT + " one" in text and PROBE_TEXT + " two" in text and "'type'" not in text
+            probes = [m["content"] if isinstance(m["content"], str) else m["content"][0]["text"] for m in conversation]
+            return all(p in text for p in probes) and "'type'" not in text and '"type"' not in text
 
-        strings, parts = reads(lambda s: s), reads(lambda s: [{"type": "text", "text": s}])
+        def as_parts(text):
+            return [{"type": "text", "text": text}]
+
+        strings, parts = reads(str, False), reads(as_parts, False)
+        system_strings, system_parts = reads(str, True), reads(as_parts, True)
+        strings = strings and (system_strings or not system_parts)
+        parts = parts and (system_parts or not system_strings)
         if strings and not parts:
             return "string"
         if parts and not strings:
