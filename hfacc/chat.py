@@ -13,8 +13,8 @@ rendering (:func:`get_assistant_spans`):
 2. Otherwise the template is compiled once more with a marker at the start of every iteration of its top-level
    loops (and after each loop). Rendering the conversation with it gives, for every message, the *segment* of the
    output the template wrote while its loop was at that message. The text is the same as
-   ``tokenizer.apply_chat_template`` writes (checked on every conversation); only the positions are new. Inside an
-   assistant message's segment:
+   ``tokenizer.apply_chat_template`` writes (checked once for every shape of conversation); only the positions are
+   new. Inside an assistant message's segment:
 
    - the turn starts where its prompt ends. The prompt for turn k ends with what the template writes after the
      conversation so far when asked for a generation prompt (``<|im_start|>assistant\\n``, ``<|start|>assistant``,
