@@ -95,21 +95,47 @@ def run_verify(argv: list[str]) -> int:
 
 
 def run_show_mask(argv: list[str]) -> int:
+    import datasets
+
     from .config import parse_args
-    from .data import DataArguments, build_examples, render_mask
+    from .data import (
+        DataArguments,
+        DataError,
+        build_sft_dataset,
+        describe_row,
+        detect_format,
+        encode_row,
+        example_rows,
+        render_mask,
+    )
     from .modeling import ModelArguments, load_model_and_tokenizer
 
     show, model_args, data_args = parse_args(
         [ShowMaskArguments, ModelArguments, DataArguments], argv, prog="hfacc show-mask"
     )
     _, tokenizer = load_model_and_tokenizer(model_args)
-    ds = build_examples(data_args, tokenizer, count=show.count, start=show.index)
     legend = "\x1b[1;32mgreen\x1b[0m" if show.color else "[[ ]]"
     print(f"Tokens that carry loss are {legend}; everything else has label -100.\n")
-    for i, row in enumerate(ds):
-        targets = sum(1 for y in row["labels"][1:] if y != -100)
-        print(f"--- example {show.index + i}: {len(row['input_ids'])} tokens, {targets} targets ---")
-        print(render_mask(tokenizer, row["input_ids"], row["labels"], color=show.color))
+    options = data_args.sft_options()
+    for i, row in enumerate(example_rows(data_args, count=show.count, start=show.index)):
+        # One row at a time, built exactly as training builds it, with what it holds and how it was masked.
+        fmt = detect_format(list(row)) if options["format"] == "auto" else options["format"]
+        method = encode_row(tokenizer, row, i, fmt, last_turn_only=options["last_turn_only"])[2]
+        header = f"--- example {show.index + i}"
+        try:
+            example = build_sft_dataset(datasets.Dataset.from_list([row]), tokenizer, **options)[0]
+        except DataError as err:  # no target left after truncation, or too long with truncation='drop'
+            print(f"{header}: not trained ({err}) ---\n")
+            continue
+        targets = sum(1 for y in example["labels"][1:] if y != -100)
+        print(
+            f"{header}: {len(example['input_ids'])} tokens, {targets} targets"
+            + (f"; masked by {method}" if method else "")
+            + " ---"
+        )
+        if describe_row(row):
+            print(describe_row(row))
+        print(render_mask(tokenizer, example["input_ids"], example["labels"], color=show.color))
         print()
     return 0
 

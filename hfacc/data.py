@@ -1,28 +1,34 @@
 """SFT datasets with loss masking: prompt/completion, multi-turn chat (assistant turns only), plain text.
 
-Each builder returns token ids and ``labels`` with -100 wherever no loss is wanted. For chat data the trained spans
-are derived from the tokenizer's own chat template, whatever it is: the conversation is rendered once in full and
-once up to each assistant turn, and the characters between "the prompt that asks for this turn" and "the
-conversation through this turn" are the turn's answer and its end-of-turn marker. Offsets map those characters
-to tokens. No ``{% generation %}`` markers are needed.
+Each builder returns token ids and ``labels`` with -100 wherever no loss is wanted. Chat data is rendered by the
+tokenizer's own chat template with every field the template reads (``tool_calls``, ``tool_call_id``, ``name``,
+reasoning as ``reasoning_content``/``thinking``, content given as text parts) and the row's ``tools``; the
+assistant's characters are read off that one rendering (:mod:`hfacc.chat` says how, and why it is right), and
+offsets map them to tokens. The tokens are exactly those the template renders for the whole conversation.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .chat import ChatTemplateError, get_assistant_spans
 from .loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
 FORMATS = ("prompt_completion", "messages", "text")
 FORMAT_COLUMNS = {"prompt_completion": ("prompt", "completion"), "messages": ("messages",), "text": ("text",)}
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
+# Names datasets give a message's reasoning. Both names templates read are filled from whichever is given, as
+# transformers does (Qwen3, GLM-4, DeepSeek-R1 read ``reasoning_content``; GPT-OSS, LFM2.5 read ``thinking``).
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 TRUNCATIONS = ("right", "drop", "error")
 
 
@@ -111,12 +117,7 @@ def build_sft_dataset(
 
     def encode(row: Mapping[str, Any], index: int) -> dict[str, Any]:
         index = row.get(SOURCE_ROW, index)
-        if format == "text":
-            ids, labels = tokenize_text(tokenizer, _string(row, "text", index))
-        elif format == "prompt_completion":
-            ids, labels = tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"], index)
-        else:
-            ids, labels = tokenize_messages(tokenizer, row["messages"], index, last_turn_only=last_turn_only)
+        ids, labels, method, unclosed = encode_row(tokenizer, row, index, format, last_turn_only=last_turn_only)
         too_long = max_length is not None and len(ids) > max_length
         if too_long and truncation == "error":
             raise DataError(
@@ -133,6 +134,8 @@ def build_sft_dataset(
             "labels": labels,
             "_too_long": too_long,
             "_keep": keep,
+            "_masking": method,
+            "_unclosed": unclosed,
         }
 
     encoded = dataset.map(
@@ -143,6 +146,7 @@ def build_sft_dataset(
         desc=f"Tokenizing ({format})",
     )
     too_long = sum(encoded["_too_long"])
+    log_masking(encoded["_masking"], encoded["_unclosed"])
     kept = encoded.filter(lambda keep: keep, input_columns="_keep", num_proc=num_proc)
     dropped = len(encoded) - len(kept)
     if too_long:
@@ -161,7 +165,54 @@ def build_sft_dataset(
             f"No example is left after tokenization ({len(encoded)} had no target token or were too long for "
             f"max_length={max_length}). Check the masking (hfacc show-mask) or raise max_length."
         )
-    return kept.remove_columns(["_too_long", "_keep"])
+    return kept.remove_columns(["_too_long", "_keep", "_masking", "_unclosed"])
+
+
+def encode_row(
+    tokenizer, row: Mapping[str, Any], index: Any, format: str, *, last_turn_only: bool = False
+) -> tuple[list[int], list[int], str, int]:
+    """One row of ``format`` as ``(input_ids, labels, masking method, turns left without an end marker)``.
+
+    The method is empty for text and string prompt/completion rows, else how :mod:`hfacc.chat` found the answers.
+    """
+    if format == "text":
+        return (*tokenize_text(tokenizer, _string(row, "text", index)), "", 0)
+    tools = normalize_tools(row.get("tools"), index)
+    if format == "prompt_completion":
+        prompt, completion = row["prompt"], row["completion"]
+        if _is_conversation(prompt) or _is_conversation(completion):
+            prompt_messages = normalize_messages(prompt, index, "prompt", need_assistant=False)
+            completion_messages = normalize_messages(completion, index, "completion", need_assistant=True)
+            messages = prompt_messages + completion_messages
+            first = len(prompt_messages)
+            trainable = [i for i in range(first, len(messages)) if messages[i]["role"] == "assistant"]
+            return _encode_conversation(tokenizer, messages, trainable, index, tools)
+        return (*_tokenize_strings(tokenizer, prompt, completion, index), "", 0)
+    messages = normalize_messages(row["messages"], index, "messages", need_assistant=True)
+    trainable = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return _encode_conversation(tokenizer, messages, trainable[-1:] if last_turn_only else trainable, index, tools)
+
+
+def log_masking(methods: Sequence[str], unclosed: Sequence[int]) -> None:
+    """The build summary's masking lines: rows counted by how their answers were found, and open turns."""
+    counts = Counter(m for m in methods if m)
+    if counts:
+        logger.info("hfacc: chat rows masked by %s.", ", ".join(f"{m} ({n} rows)" for m, n in counts.most_common()))
+    if counts.get("prefix renders"):
+        logger.warning(
+            "hfacc: %d chat rows were masked from prefix renders: the chat template's loops cannot be traced (it "
+            "iterates over indices or renders inside a macro). The masks were checked, but {%% generation %%} "
+            "markers in the template would make them certain.",
+            counts["prefix renders"],
+        )
+    if sum(unclosed):
+        logger.warning(
+            "hfacc: %d assistant turns end without an end-of-turn token to train: the chat template ends a turn "
+            "with the next message's role marker, and these turns end their conversation. A model trained on them "
+            "does not learn to stop there; end such conversations with a user message, or use a template that "
+            "closes assistant turns.",
+            sum(unclosed),
+        )
 
 
 def tokenize_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
@@ -170,7 +221,9 @@ def tokenize_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
     return ids, list(ids)
 
 
-def tokenize_prompt_completion(tokenizer, prompt: Any, completion: Any, index: int = 0) -> tuple[list[int], list[int]]:
+def tokenize_prompt_completion(
+    tokenizer, prompt: Any, completion: Any, index: Any = 0, *, tools: Any = None
+) -> tuple[list[int], list[int]]:
     """Loss on the completion and its EOS only.
 
     Strings are tokenized separately and concatenated, so no token straddles the boundary; the prompt gets the
@@ -178,11 +231,14 @@ def tokenize_prompt_completion(tokenizer, prompt: Any, completion: Any, index: i
     the assistant turns of the completion trained.
     """
     if _is_conversation(prompt) or _is_conversation(completion):
-        prompt_messages = _messages(prompt, index, "prompt", need_assistant=False)
-        completion_messages = _messages(completion, index, "completion", need_assistant=True)
-        messages = prompt_messages + completion_messages
-        trainable = [i for i in range(len(prompt_messages), len(messages)) if messages[i]["role"] == "assistant"]
-        return _tokenize_conversation(tokenizer, messages, trainable, index)
+        row = {"prompt": prompt, "completion": completion, "tools": tools}
+        return encode_row(tokenizer, row, index, "prompt_completion")[:2]
+    return _tokenize_strings(tokenizer, prompt, completion, index)
+
+
+def _tokenize_strings(tokenizer, prompt: Any, completion: Any, index: Any) -> tuple[list[int], list[int]]:
+    # Not folded into tokenize_prompt_completion: that calls encode_row, which calls this, and a call cycle stops
+    # datasets from hashing the map function (its cache would be lost).
     prompt = _string({"prompt": prompt}, "prompt", index, allow_empty=True)
     completion = _string({"completion": completion}, "completion", index)
     prompt_ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
@@ -193,71 +249,46 @@ def tokenize_prompt_completion(tokenizer, prompt: Any, completion: Any, index: i
 
 
 def tokenize_messages(
-    tokenizer, messages: Any, index: int = 0, *, last_turn_only: bool = False
+    tokenizer, messages: Any, index: Any = 0, *, last_turn_only: bool = False, tools: Any = None
 ) -> tuple[list[int], list[int]]:
-    """Loss on the assistant turns (each with its end-of-turn token), or on the last one only."""
-    messages = _messages(messages, index, "messages", need_assistant=True)
-    trainable = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if last_turn_only:
-        trainable = trainable[-1:]
-    return _tokenize_conversation(tokenizer, messages, trainable, index)
+    """Loss on the assistant turns (each with its end-of-turn token), or on the last one only.
 
-
-def get_assistant_spans(tokenizer, messages: list[dict], trainable: Sequence[int], index: int = 0):
-    """Render ``messages`` with the chat template; return the text and the character spans to train on.
-
-    For assistant message i the span starts where ``render(messages[:i], add_generation_prompt=True)`` ends (the
-    prompt that asks for this turn) and ends where ``render(messages[:i + 1])`` ends, minus trailing whitespace
-    (the template's newline after the end-of-turn token is scaffolding, not something the model should learn to
-    emit). Templates that rewrite earlier turns break the prefix property; then the answer is located by its
-    content, and a clear error names the row if even that fails.
+    ``tools`` (a list of JSON schemas, or a JSON string of one) is passed to the chat template.
     """
-    text = _render(tokenizer, messages, index)
-    spans = []
-    for i in trainable:
-        before = _render(tokenizer, messages[:i], index, add_generation_prompt=True) if i else ""
-        through = _render(tokenizer, messages[: i + 1], index)
-        content = messages[i]["content"]
-        if text.startswith(before) and text.startswith(through) and len(through) > len(before):
-            start, end = len(before), len(through.rstrip())
-        else:
-            floor = spans[-1][1] if spans else 0
-            start = text.find(content, floor)
-            if start < 0 or not content:
-                raise DataError(
-                    f"row {index}: cannot locate assistant message {i} in the chat template's output (the template "
-                    "rewrites the conversation, and the message text is not found verbatim). Use "
-                    "last_turn_only=True, or a template with {% generation %} markers."
-                )
-            end = start + len(content)
-            eos = tokenizer.eos_token or ""
-            if eos and text.startswith(eos, end):
-                end += len(eos)
-        spans.append((start, end))
-    return text, spans
+    row = {"messages": messages, "tools": tools}
+    return encode_row(tokenizer, row, index, "messages", last_turn_only=last_turn_only)[:2]
 
 
-def _tokenize_conversation(tokenizer, messages, trainable, index) -> tuple[list[int], list[int]]:
-    text, spans = get_assistant_spans(tokenizer, messages, trainable, index)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+def _encode_conversation(tokenizer, messages, trainable, index, tools):
+    try:
+        found = get_assistant_spans(tokenizer, messages, trainable, tools)
+    except ChatTemplateError as err:
+        raise DataError(f"row {index}: {err}") from err
+    encoding = tokenizer(found.text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
     labels = [IGNORE_INDEX] * len(ids)
+    spans, s = sorted(found.spans), 0
     for t, (a, b) in enumerate(offsets):
         # A token is trained when it *ends* inside an answer span: a token that straddles the header/answer
         # boundary produces answer text, a newline after the end-of-turn token does not.
-        if b > a and any(start < b <= end for start, end in spans):
+        while s < len(spans) and spans[s][1] < b:
+            s += 1
+        if s == len(spans):
+            break
+        if b > a and spans[s][0] < b:
             labels[t] = ids[t]
-    return list(ids), labels
+    return list(ids), labels, found.method, found.unclosed
 
 
-def _render(tokenizer, messages, index, add_generation_prompt=False) -> str:
-    try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    except Exception as err:  # jinja raises its own errors (e.g. "roles must alternate")
-        raise DataError(f"row {index}: the chat template refused this conversation: {err}") from err
+def normalize_messages(value: Any, index: Any, field: str, need_assistant: bool) -> list[dict]:
+    """Check a conversation and return it as plain dicts with every field a chat template may read.
 
-
-def _messages(value: Any, index: int, field: str, need_assistant: bool) -> list[dict]:
+    Kept: ``role``, ``content`` (a string, or a list of ``{"type": "text", "text": ...}`` parts), ``tool_calls``,
+    ``tool_call_id``, ``name``, reasoning, and any other field. Values that are None are dropped at every level
+    (Arrow fills the fields one row lacks with None, and templates test for presence), as are empty ``tool_calls``.
+    Reasoning given under any of :data:`REASONING_FIELDS` is passed as both ``reasoning_content`` and ``thinking``.
+    A non-text content part (image, audio, ...) is an error: hfacc trains on text only.
+    """
     if not isinstance(value, (list, tuple)) or not value:
         raise DataError(
             f"row {index}, field '{field}': expected a non-empty list of {{'role', 'content'}} messages, got "
@@ -265,23 +296,99 @@ def _messages(value: Any, index: int, field: str, need_assistant: bool) -> list[
         )
     messages = []
     for j, m in enumerate(value):
-        if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-            raise DataError(
-                f"row {index}, field '{field}', message {j}: expected a dict with 'role' and 'content', got {m!r:.80}."
-            )
+        where = f"row {index}, field '{field}', message {j}"
+        if not isinstance(m, Mapping) or "role" not in m:
+            raise DataError(f"{where}: expected a dict with 'role' and 'content', got {m!r:.80}.")
+        m = _drop_none(m)
         if m["role"] not in ROLES:
+            raise DataError(f"{where}: unknown role {m['role']!r}; use one of {list(ROLES)}.")
+        if "tool_calls" in m:
+            _check_tool_calls(m["tool_calls"], where)
+            if not m["tool_calls"]:
+                del m["tool_calls"]
+        reasoning = next((m[k] for k in REASONING_FIELDS if k in m), None)
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise DataError(f"{where}: the reasoning must be a string, got {type(reasoning).__name__}.")
+            m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
+        if "content" in m:
+            _check_content(m["content"], where)
+        elif not (m["role"] == "assistant" and ("tool_calls" in m or reasoning is not None)):
             raise DataError(
-                f"row {index}, field '{field}', message {j}: unknown role {m['role']!r}; use one of {list(ROLES)}."
+                f"{where}: expected a dict with 'role' and 'content', got {m!r:.80} (only an assistant message "
+                "with 'tool_calls' or reasoning may leave out 'content')."
             )
-        if not isinstance(m["content"], str):
-            raise DataError(
-                f"row {index}, field '{field}', message {j}: 'content' must be a string, got "
-                f"{type(m['content']).__name__}."
-            )
-        messages.append({"role": m["role"], "content": m["content"]})
+        messages.append(m)
     if need_assistant and not any(m["role"] == "assistant" for m in messages):
         raise DataError(f"row {index}, field '{field}': the conversation has no assistant message to train on.")
     return messages
+
+
+def normalize_tools(value: Any, index: Any) -> list[dict] | None:
+    """The row's ``tools``: a list of JSON schemas (or a JSON string of one) for the template; None if empty."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except ValueError as err:
+            raise DataError(
+                f"row {index}, field 'tools': not valid JSON ({err}). Give a list of JSON schemas, or a JSON string "
+                "of one."
+            ) from err
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, Mapping) for t in value):
+        raise DataError(
+            f"row {index}, field 'tools': expected a list of JSON schemas (dicts such as {{'type': 'function', "
+            f"'function': {{'name': ..., 'parameters': ...}}}}), got {value!r:.80}."
+        )
+    return [_drop_none(t) for t in value] or None
+
+
+def _check_content(content: Any, where: str) -> None:
+    if isinstance(content, str):
+        return
+    if not isinstance(content, (list, tuple)):
+        raise DataError(
+            f"{where}: 'content' must be a string, got {type(content).__name__} (or a list of "
+            "{'type': 'text', 'text': ...} parts)."
+        )
+    for p, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind is not None and kind != "text":
+            raise DataError(
+                f"{where}, content part {p}: a part of type {kind!r}. hfacc trains on text only (multimodal "
+                "training is not supported yet); remove the non-text parts or the row."
+            )
+        raise DataError(f"{where}, content part {p}: expected {{'type': 'text', 'text': <string>}}, got {part!r:.80}.")
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    if not isinstance(calls, (list, tuple)):
+        raise DataError(f"{where}: 'tool_calls' must be a list of tool calls, got {type(calls).__name__}.")
+    for c, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise DataError(
+                f"{where}, tool call {c}: expected {{'type': 'function', 'function': {{'name': <string>, "
+                f"'arguments': <dict or JSON string>}}}}, got {call!r:.100}."
+            )
+        arguments = function.get("arguments", {})
+        if not isinstance(arguments, (Mapping, str)):
+            raise DataError(
+                f"{where}, tool call {c}: 'arguments' must be a dict or a JSON string, got {type(arguments).__name__}."
+            )
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_drop_none(v) for v in value]
+    return value
 
 
 def _string(row: Mapping[str, Any], field: str, index: int, allow_empty: bool = False) -> str:
@@ -394,8 +501,6 @@ def load_sft_source(
 
 def validate_json_file(path: str | Path) -> None:
     """Parse a .json/.jsonl file with Python's json and check every row's fields; DataError names row and line."""
-    import json
-
     path = Path(path)
     records: list[tuple[str, Any]] = []
     if path.suffix == ".jsonl":
@@ -427,12 +532,14 @@ def validate_json_file(path: str | Path) -> None:
         if missing:
             raise DataError(f"row {label}: no field {missing[0]!r}, which the other rows ({format} format) have.")
         if format == "messages":
-            _messages(row["messages"], label, "messages", need_assistant=True)
+            normalize_messages(row["messages"], label, "messages", need_assistant=True)
+            normalize_tools(row.get("tools"), label)
         elif format == "text":
             _string(row, "text", label)
         elif _is_conversation(row["prompt"]) or _is_conversation(row["completion"]):
-            _messages(row["prompt"], label, "prompt", need_assistant=False)
-            _messages(row["completion"], label, "completion", need_assistant=True)
+            normalize_messages(row["prompt"], label, "prompt", need_assistant=False)
+            normalize_messages(row["completion"], label, "completion", need_assistant=True)
+            normalize_tools(row.get("tools"), label)
         else:
             _string(row, "prompt", label, allow_empty=True)
             _string(row, "completion", label)
@@ -540,6 +647,11 @@ def build_examples(args: DataArguments, tokenizer, count: int, start: int = 0, s
     For tools that look at a few examples (``hfacc verify``, ``hfacc show-mask``): only about twice as many rows
     as needed are loaded (or generated), never the whole dataset.
     """
+    return build_sft_dataset(example_rows(args, count, start, seed), tokenizer, **args.sft_options())
+
+
+def example_rows(args: DataArguments, count: int, start: int = 0, seed: int = 0):
+    """The raw rows behind :func:`build_examples` (a ``datasets.Dataset``)."""
     rows = max(2 * (start + count), 16)
     raw, _ = load_sft_source(
         args.dataset_name,
@@ -550,5 +662,41 @@ def build_examples(args: DataArguments, tokenizer, count: int, start: int = 0, s
         num_embedded=rows,
         max_examples=rows,
     )
-    raw = raw.select(range(min(start, len(raw)), min(len(raw), start + count)))
-    return build_sft_dataset(raw, tokenizer, **args.sft_options())
+    return raw.select(range(min(start, len(raw)), min(len(raw), start + count)))
+
+
+def describe_row(row: Mapping[str, Any]) -> str:
+    """One line on what a chat row holds: its messages with their tool calls, reasoning and parts, and its tools.
+
+    >>> describe_row({"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "",
+    ...     "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}]})
+    'messages: user, assistant [tool call get_weather(city)]'
+    """
+    conversation = [
+        m for key in ("prompt", "completion", "messages") if _is_conversation(row.get(key)) for m in row[key]
+    ]
+    if not conversation:
+        return ""
+    parts = []
+    for m in conversation:
+        m = _drop_none(m)
+        notes = []
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function", call)
+            arguments = fn.get("arguments")
+            names = ", ".join(arguments) if isinstance(arguments, Mapping) else "..."
+            notes.append(f"tool call {fn.get('name')}({names})")
+        reasoning = next((m[k] for k in REASONING_FIELDS if isinstance(m.get(k), str)), None)
+        if reasoning is not None:
+            notes.append(f"reasoning {len(reasoning)} chars")
+        if isinstance(m.get("content"), list):
+            notes.append(f"{len(m['content'])} content parts")
+        parts.append(m.get("role", "?") + (f" [{'; '.join(notes)}]" if notes else ""))
+    line = "messages: " + ", ".join(parts)
+    try:
+        tools = normalize_tools(row.get("tools"), 0)
+    except DataError:
+        tools = None
+    if tools:
+        line += "; tools: " + ", ".join(str(t.get("function", t).get("name")) for t in tools)
+    return line

@@ -1,5 +1,6 @@
 """Loss masking, token by token: prompt/completion, multi-turn chat under four template styles, plain text."""
 
+import json
 import logging
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from datasets import Dataset
 
 from hfacc import DataCollatorForCausalLM
-from hfacc.data import build_sft_dataset, render_mask, tokenize_messages, tokenize_prompt_completion
+from hfacc.data import DataError, build_sft_dataset, render_mask, tokenize_messages, tokenize_prompt_completion
 from hfacc.embedded import build_bpe_tokenizer, build_default_tokenizer
 
 CHATML = (
@@ -168,3 +169,190 @@ def test_collator_pads_right_to_a_multiple():
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0, 0, 0]]
     assert batch["labels"].tolist() == [[1, 2, 3, -100, -100, -100, -100, -100]]
     assert batch["input_ids"].dtype == torch.long
+
+
+# --- Chat data as today's datasets hold it: tool calls, reasoning, parts, a tools column ---------------------------
+
+
+def test_embedded_dataset_masks_exactly_as_before():
+    """The default recipe's numbers cannot move: on the embedded ChatML data, the template's segments train the
+    same tokens as the prefix renders hfacc used before (tests/chat_corpus.legacy_spans)."""
+    from hfacc.embedded import generate_instruction_examples
+    from tests.chat_corpus import legacy_labels
+
+    tokenizer = build_default_tokenizer()
+    rows = generate_instruction_examples(600, seed=3)
+    for row in rows:
+        ids, labels = tokenize_messages(tokenizer, row["messages"])
+        trainable = [i for i, m in enumerate(row["messages"]) if m["role"] == "assistant"]
+        assert legacy_labels(tokenizer, row["messages"], trainable)[1:] == (ids, labels)
+    assert sum(len(r["messages"]) > 3 for r in rows) > 10  # two-turn conversations are among them
+
+
+def qwen_tokenizer():
+    from tests.chat_corpus import tokenizer_for
+
+    return tokenizer_for("qwen2_5")
+
+
+def test_tools_column_as_json_string_or_list_and_arrow_none_fill():
+    from tests.chat_corpus import TOOL_CONVERSATION, TOOLS
+
+    tokenizer = qwen_tokenizer()
+    direct = tokenize_messages(tokenizer, TOOL_CONVERSATION, tools=TOOLS)
+    assert tokenize_messages(tokenizer, TOOL_CONVERSATION, tools=json.dumps(TOOLS)) == direct
+    assert tokenize_messages(tokenizer, TOOL_CONVERSATION, tools=None) != direct  # the schemas are in the prompt
+    # Through Arrow: a second row with other argument keys makes Arrow fill the missing ones with None; the tool
+    # schemas are unified the same way. hfacc drops those Nones and trains exactly what the rows say.
+    other = json.loads(json.dumps(TOOL_CONVERSATION))
+    other[1]["tool_calls"][0]["function"]["arguments"] = {"town": "Lyon", "days": 2}
+    ds = build_sft_dataset(
+        Dataset.from_list([{"messages": TOOL_CONVERSATION, "tools": TOOLS}, {"messages": other}]), tokenizer
+    )
+    assert (ds[0]["input_ids"], ds[0]["labels"]) == direct
+    assert (ds[1]["input_ids"], ds[1]["labels"]) == tokenize_messages(tokenizer, other)
+
+
+def test_non_text_parts_are_refused_with_the_row():
+    tokenizer = qwen_tokenizer()
+    text = [{"type": "text", "text": "What is this?"}]
+    image = [{"type": "image", "image": "cat.png"}, *text]
+    rows = [{"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": text}]}] * 2
+    rows.append({"messages": [{"role": "user", "content": image}, {"role": "assistant", "content": text}]})
+    with pytest.raises(
+        DataError,
+        match=r"row 2, field 'messages', message 0, content part 0: a part of type 'image'.*"
+        r"multimodal training is not supported",
+    ):
+        build_sft_dataset(Dataset.from_list(rows), tokenizer)
+
+
+def test_last_turn_only_and_conversational_completion_with_tools():
+    from tests.chat_corpus import TOOL_CONVERSATION, TOOLS, tokenizer_for
+
+    for family in ("qwen3", "lfm2_5"):  # traced segments, and {% generation %} markers
+        tokenizer = tokenizer_for(family)
+        ids, labels = tokenize_messages(tokenizer, TOOL_CONVERSATION, tools=TOOLS, last_turn_only=True)
+        assert trained_runs(tokenizer, ids, labels)[0].endswith("You are welcome.<|im_end|>")
+        assert len(trained_runs(tokenizer, ids, labels)) == 1
+    tokenizer = qwen_tokenizer()
+    ids, labels = tokenize_prompt_completion(tokenizer, TOOL_CONVERSATION[:1], TOOL_CONVERSATION[1:4], tools=TOOLS)
+    runs = trained_runs(tokenizer, ids, labels)
+    assert len(runs) == 2 and runs[0].startswith("<tool_call>") and runs[1] == "It is 22 C and sunny.<|im_end|>"
+    assert "22 C, sunny" not in "".join(runs)  # the tool's result is never trained
+
+
+def test_build_summary_counts_rows_by_masking_and_open_turns(caplog):
+    from tests.chat_corpus import PLAIN, tokenizer_for
+
+    rows = [{"messages": PLAIN}, {"messages": PLAIN[1:]}, {"text": None}]
+    with caplog.at_level(logging.INFO, logger="hfacc"):
+        build_sft_dataset(Dataset.from_list(rows[:2]), tokenizer_for("qwen2_5"))
+        assert "chat rows masked by the template's message segments (2 rows)" in caplog.text
+        build_sft_dataset(Dataset.from_list(rows[:2]), tokenizer_for("lfm2_5"))
+        assert "chat rows masked by {% generation %} markers (2 rows)" in caplog.text
+        build_sft_dataset(Dataset.from_list(rows[:2]), tokenizer_for("glm4_5"))
+    assert "2 assistant turns end without an end-of-turn token to train" in caplog.text
+
+
+def test_the_map_function_hashes_so_the_datasets_cache_works():
+    tokenizer = qwen_tokenizer()
+    ds = Dataset.from_list([{"messages": CONVERSATION}])
+    # A call cycle in the functions the map closure reaches makes datasets fall back to a random fingerprint.
+    assert build_sft_dataset(ds, tokenizer)._fingerprint == build_sft_dataset(ds, tokenizer)._fingerprint
+
+
+INDEX_LOOP = (  # ChatML, but iterating over indices: the template's loop items are not the messages
+    "{% for i in range(messages | length) %}{{ '<|im_start|>' + messages[i]['role'] + '\n' + messages[i]['content'] "
+    "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_untraceable_templates_use_checked_prefix_renders_or_are_refused(caplog):
+    tokenizer = build_bpe_tokenizer(CORPUS, 400, ["<|im_start|>", "<|im_end|>"], eos_token="<|im_end|>")
+    tokenizer.chat_template = INDEX_LOOP
+    with caplog.at_level(logging.INFO, logger="hfacc"):
+        ds = build_sft_dataset(Dataset.from_list([{"messages": CONVERSATION}]), tokenizer)
+    assert trained_runs(tokenizer, ds[0]["input_ids"], ds[0]["labels"]) == [
+        "It is 4.<|im_end|>",
+        "Six, a longer answer.<|im_end|>",
+    ]
+    assert "masked from prefix renders" in caplog.text
+    # The same loop, but the last turn is rendered differently (Phi-3's EOS): the prefixes do not hold, and hfacc
+    # refuses the row instead of guessing.
+    tokenizer.chat_template = INDEX_LOOP.replace(
+        "{% endfor %}", "{% endfor %}{{ eos_token if not add_generation_prompt }}"
+    )
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "'<|im_end|>\n' }}", "'<|im_end|>' + ('' if loop.last else '\n') }}"
+    )
+    with pytest.raises(
+        DataError, match=r"row 0: hfacc cannot attribute the chat template's output to assistant message"
+    ):
+        tokenize_messages(tokenizer, CONVERSATION)
+
+
+def test_json_rows_with_tool_calls_reasoning_and_parts_validate_and_errors_name_row_field_fix(tmp_path):
+    from hfacc.data import load_sft_source, validate_json_file
+    from tests.chat_corpus import PARTS, REASONING, TOOL_CONVERSATION, TOOLS
+
+    path = tmp_path / "chat.jsonl"
+    rows = [
+        {"messages": TOOL_CONVERSATION, "tools": json.dumps(TOOLS)},
+        {"messages": REASONING, "tools": None},
+        {"messages": [{**m, "content": m["content"][0]["text"]} for m in PARTS], "tools": None},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    validate_json_file(path)
+    train, _ = load_sft_source(str(path), eval_fraction=0.34)
+    assert "tools" in train.column_names
+
+    def bad(row, match):
+        path.write_text(json.dumps(rows[1]) + "\n" + json.dumps(row) + "\n")
+        with pytest.raises(DataError, match=match):
+            validate_json_file(path)
+
+    call = {"type": "function", "function": {"arguments": {"city": "Paris"}}}
+    bad(
+        {"messages": [TOOL_CONVERSATION[0], {"role": "assistant", "tool_calls": [call]}]},
+        r"row 1 \(line 2 of chat.jsonl\), field 'messages', message 1, tool call 0: expected \{'type': 'function', "
+        r"'function': \{'name'",
+    )
+    bad({"messages": REASONING, "tools": "[{oops"}, r"row 1 \(line 2 of chat.jsonl\), field 'tools': not valid JSON")
+    bad({"messages": REASONING, "tools": [1, 2]}, r"field 'tools': expected a list of JSON schemas")
+    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    bad(
+        {"messages": [{"role": "user", "content": image}, REASONING[1]]}, r"content part 0: a part of type 'image_url'"
+    )
+    bad(
+        {"messages": [REASONING[0], {"role": "assistant"}]},
+        r"message 1: expected a dict with 'role' and 'content'.*only an assistant message with 'tool_calls'",
+    )
+    bad({"messages": [REASONING[0], {**REASONING[1], "reasoning_content": 3}]}, r"the reasoning must be a string")
+
+
+def test_show_mask_shows_tool_calls_reasoning_and_how_rows_were_masked(tmp_path, capsys):
+    from hfacc.cli import main as cli_main
+    from tests.chat_corpus import save_qwen_style_tokenizer, tool_calling_rows
+
+    rows = tool_calling_rows(8)
+    for row in rows:  # reasoning in every row (Qwen2.5's template does not render it; show-mask still says so)
+        row["messages"][-1]["reasoning_content"] = "Say what the tool said."
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save_qwen_style_tokenizer(rows, tmp_path / "tokenizer")
+    argv = [
+        "--dataset_name",
+        str(data),
+        "--tokenizer_name_or_path",
+        str(tmp_path / "tokenizer"),
+        "--max_length",
+        "1024",
+    ]
+    assert cli_main(["show-mask", "--count", "3", "--color", "false", *argv]) == 0
+    out = capsys.readouterr().out
+    assert out.count("masked by the template's message segments") == 3
+    calls = "messages: user, assistant [tool call get_weather(city)], tool, assistant [reasoning 23 chars]"
+    assert calls + "; tools: get_weather" in out
+    assert '[[<tool_call>\n{"name": "get_weather", "arguments": {"city": ' in out  # the call is trained
+    assert "<|im_start|>user\n<tool_response>\n" in out and "[[" not in out.split("<tool_response>")[1][:12]

@@ -1,6 +1,7 @@
 """recipes/sft.py end to end on the embedded default: one process in-process, two processes, and resume."""
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -106,3 +107,29 @@ def test_two_processes_through_the_ddp_config(tmp_path):
     saved = json.loads((out / "metrics.json").read_text())
     assert saved["world_size"] == 2 and saved["steps"] == 4
     assert proc.stdout.count("=== hfacc SFT summary ===") == 1  # only rank 0 reports
+
+
+def test_trains_on_a_tool_calling_dataset_with_a_qwen_style_template(tmp_path, caplog):
+    """The main job on chat data as today's datasets hold it: tool calls, tool results and a tools column (JSON
+    strings), under Qwen2.5's template, with the embedded tiny Llama sized to that tokenizer."""
+    from tests.chat_corpus import save_qwen_style_tokenizer, tool_calling_rows
+
+    rows = tool_calling_rows(48)
+    data = tmp_path / "tools.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save_qwen_style_tokenizer(rows, tmp_path / "tokenizer")
+    out = tmp_path / "run"
+    module = load_recipe()
+    argv = [
+        "--config", str(module.DEFAULT_CONFIG), "--output_dir", str(out), "--dataset_name", str(data),
+        "--tokenizer_name_or_path", str(tmp_path / "tokenizer"), "--embedded_hidden_size", "64",
+        "--embedded_num_layers", "1", "--max_length", "1024", "--max_steps", "4", "--per_device_train_batch_size", "4",
+        "--gradient_accumulation_steps", "2", "--eval_steps", "4", "--save_steps", "4", "--logging_steps", "1",
+        "--num_exact_match_examples", "0", "--warmup_steps", "0", "--disable_tqdm", "true",
+    ]  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="hfacc"):
+        metrics = module.main(*parse_args(recipe_types(module), argv))
+    assert "chat rows masked by the template's message segments" in caplog.text
+    assert metrics["steps"] == 4 and metrics["train"]["train_num_targets"] > 0
+    assert metrics["eval_loss_after"] < metrics["eval_loss_before"]
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
