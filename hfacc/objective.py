@@ -29,6 +29,7 @@ from .loss import (
     count_targets,
     cross_entropy_sums,
     fused_linear_cross_entropy_sums,
+    get_sequence_ids,
     normalize_window_loss,
     per_sequence_sums,
     shift_labels,
@@ -85,9 +86,12 @@ class Objective:
 class CausalLMObjective(Objective):
     """Next-token prediction: ``logits[:, i]`` is scored against ``labels[:, i + 1]`` (labels != -100).
 
-    A batch may carry ``shift_labels`` (already aligned, e.g. from a padding-free collator); they are used as is.
+    Targets follow :func:`hfacc.loss.shift_labels`, the one definition: the shift never crosses a sequence boundary
+    (``position_ids`` that restart) and padding is never a target. A batch may carry ``shift_labels`` (already
+    aligned, e.g. from a padding-free collator); they are used as is, except at padding positions.
     Packed rows (``position_ids`` that restart, no ``attention_mask``) run with ``use_cache=False``: with a cache,
-    transformers does not keep packed sequences apart.
+    transformers does not keep packed sequences apart. Their per-sequence sums (``normalization="sequence"``) are
+    per packed sequence, not per row.
 
     With ``fused=True`` the output projection is swapped, for the length of one forward, for a module that computes
     the loss sums from the final hidden states in chunks (:func:`hfacc.loss.fused_linear_cross_entropy_sums`), so
@@ -105,22 +109,37 @@ class CausalLMObjective(Objective):
 
     def count(self, batch):
         targets = self._targets(batch) != IGNORE_INDEX
-        return torch.stack([targets.sum(), targets.any(-1).sum()])
+        positions = packed_position_ids(batch)
+        if positions is None:
+            return torch.stack([targets.sum(), targets.any(-1).sum()])
+        # Packed rows: count sequences, not rows. One slot per position bounds the number of sequences (no sync).
+        ids, _ = get_sequence_ids(positions.expand(targets.shape))
+        hit = torch.zeros(targets.numel(), dtype=torch.long, device=targets.device)
+        hit.scatter_reduce_(0, ids.flatten(), targets.flatten().long(), reduce="amax")
+        return torch.stack([targets.sum(), hit.sum()])
 
     def __call__(self, model, batch, per_sequence=False):
         inputs = model_inputs(batch)
-        if inputs.get("position_ids") is not None and inputs.get("attention_mask") is None:
+        positions = packed_position_ids(inputs)
+        if positions is not None:
             inputs["use_cache"] = False
         targets = self._targets(batch)
+        sequences = None
+        if per_sequence and positions is not None:
+            sequences = get_sequence_ids(positions.expand(targets.shape))
         if self.fused and (model.training or self.fused_in_eval) and not (per_sequence and torch.is_grad_enabled()):
-            return self._fused(model, inputs, targets, per_sequence)
+            return self._fused(model, inputs, targets, per_sequence, sequences)
         outputs = model(**inputs)
         sums = cross_entropy_sums(
-            get_logits(outputs), targets, label_smoothing=self.label_smoothing, per_sequence=per_sequence
+            get_logits(outputs),
+            targets,
+            label_smoothing=self.label_smoothing,
+            per_sequence=per_sequence,
+            sequences=sequences,
         )
         return outputs, sums
 
-    def _fused(self, model, inputs, targets, per_sequence):
+    def _fused(self, model, inputs, targets, per_sequence, sequences=None):
         head = _FusedOutputHead(
             get_base_model(model).get_output_embeddings(), targets, self.chunk_size, self.label_smoothing
         )
@@ -128,14 +147,29 @@ class CausalLMObjective(Objective):
             outputs = model(**inputs)
         sums, per_target, correct = head.result
         if per_sequence:  # evaluation: per-sequence sums for the exact cross-rank eval metrics, no gradient needed
-            sums = per_sequence_sums(per_target, correct, targets != IGNORE_INDEX)
+            sums = per_sequence_sums(per_target, correct, targets != IGNORE_INDEX, sequences)
         return outputs, sums
 
     @staticmethod
     def _targets(batch):
+        mask = batch.get("attention_mask")
         if batch.get("shift_labels") is not None:
-            return batch["shift_labels"]
-        return shift_labels(batch["labels"])
+            targets = batch["shift_labels"]
+            if torch.is_tensor(mask) and mask.shape == targets.shape:
+                targets = targets.masked_fill(mask == 0, IGNORE_INDEX)  # padding predicts nothing
+            return targets
+        return shift_labels(batch["labels"], position_ids=batch.get("position_ids"), attention_mask=mask)
+
+
+def packed_position_ids(batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """The ``position_ids`` of a batch of packed rows (given, 2-D, and no ``attention_mask``), else None.
+
+    This is when transformers (5.x) looks for sequences inside a row and keeps them apart in attention.
+    """
+    positions = batch.get("position_ids")
+    if torch.is_tensor(positions) and positions.dim() == 2 and batch.get("attention_mask") is None:
+        return positions
+    return None
 
 
 class _FusedOutputHead(nn.Module):
