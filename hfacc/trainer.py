@@ -33,7 +33,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .batching import TokenBudgetBatchSampler, check_packing, is_packed
 from .checkpoint import mark_checkpoint_complete, resolve_checkpoint, rotate_checkpoints
-from .loss import NORMALIZATIONS, LossSums, WindowCounts
+from .loss import NORMALIZATIONS, LossSums, WindowCounts, sums_per_row
 from .objective import (
     OBJECTIVES,
     CausalLMObjective,
@@ -280,8 +280,9 @@ class TokenWeightedTrainer(Trainer):
         problem = check_packing(self.model, self._prepare_inputs(batch))
         if problem:
             raise RuntimeError(
-                f"hfacc: {problem}. Turn packing off (recipe: --packing false) or use an attention implementation "
-                "that supports packed sequences (attn_implementation='sdpa' or 'flash_attention_2')."
+                f"hfacc: {problem}. Turn packing off (recipe: --packing false), or use a model and attention "
+                "implementation that keep packed sequences apart (attn_implementation='sdpa' or "
+                "'flash_attention_2' on a model whose forward takes position_ids)."
             )
         logger.info("hfacc: packed rows checked: each sequence's logits match its unpacked run.")
 
@@ -307,6 +308,13 @@ class TokenWeightedTrainer(Trainer):
             if isinstance(self.objective, ModelLossObjective) and self.normalization != "micro_batch":
                 logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
         return self.objective
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # hfacc reads sequence boundaries from these even when the model's forward does not take them (Bloom): a
+        # packed dataset whose position_ids were dropped as unused would silently let its sequences attend to each
+        # other. The packing check then refuses such a model.
+        super()._set_signature_columns_if_needed()
+        self._signature_columns += [c for c in ("position_ids", "seq_lengths") if c not in self._signature_columns]
 
     def _setup_fused_loss(self, objective: CausalLMObjective, batch: Mapping[str, Any]) -> None:
         objective.chunk_size = getattr(self.args, "loss_chunk_size", 0)
@@ -338,6 +346,9 @@ class TokenWeightedTrainer(Trainer):
             self.meter.add_micro_batch(sums)
         else:
             outputs, sums = objective(model, inputs, per_sequence=True)
+            if is_packed(inputs):
+                # One value per row, as gather_for_metrics expects: it drops the rows repeated across ranks.
+                sums = sums_per_row(sums, inputs["position_ids"])
             loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
             self.meter.add_eval(sums, self.accelerator)
         return (loss, outputs) if return_outputs else loss
