@@ -43,6 +43,7 @@ from .objective import (
     compute_micro_batch_loss,
     get_objective,
 )
+from .padding_free import check_padding_free, padding_free_problem, remove_padding
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,15 @@ class TokenWeightedArguments(TrainingArguments):
             "help": "Causal LMs: compute the output projection and cross-entropy together in chunks over the "
             "target positions only, so the full logits never exist (less memory, faster; exact). Models that "
             "post-process their logits fall back to the plain path by themselves."
+        },
+    )
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Causal LMs: lay the real tokens of every micro-batch end to end in one row with position_ids "
+            "that restart per sequence, so no layer computes on padding, whatever collator padded it (right or "
+            "left). Same sequences, targets and normalization: exact. Checked once per model; models whose "
+            "attention cannot keep packed sequences apart fall back to padded batches (said once). False: off."
         },
     )
     loss_chunk_size: int = field(
@@ -212,6 +222,7 @@ class TokenWeightedTrainer(Trainer):
         self.window: WindowCounts | None = None
         self.window_batches: list = []
         self._packing_checked = False
+        self.padding_free = False  # decided with the objective, on the first micro-batch
         self._window_left = 0
         self.meter = LossMeter(self.args.device)
         if getattr(self.args, "audit_every_n_steps", 0):
@@ -302,12 +313,30 @@ class TokenWeightedTrainer(Trainer):
             self.objective = get_objective(
                 self.model, batch, name=self._objective_setting, label_smoothing=self.args.label_smoothing_factor
             )
+            self._setup_padding_free(self.objective, batch)
             if isinstance(self.objective, CausalLMObjective):
                 self._setup_fused_loss(self.objective, batch)
             logger.info("hfacc: objective %s, normalization %r", self.objective, self.normalization)
             if isinstance(self.objective, ModelLossObjective) and self.normalization != "micro_batch":
                 logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
         return self.objective
+
+    def _setup_padding_free(self, objective: Objective, batch: Mapping[str, Any]) -> None:
+        if not getattr(self.args, "padding_free", True):
+            return
+        problem = padding_free_problem(self.model, objective)
+        if problem is None:
+            problem = check_padding_free(self.model, self._prepare_inputs(batch))
+            self.padding_free = all_ranks_agree(problem is None, self.accelerator)
+        if self.padding_free:
+            logger.info("hfacc: padding-free micro-batches: checked, logits match the padded run.")
+        elif isinstance(objective, CausalLMObjective):
+            logger.warning(
+                "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
+                problem or "another rank could not go padding-free",
+            )
+        else:
+            logger.info("hfacc: padded micro-batches: %s.", problem)
 
     def _set_signature_columns_if_needed(self) -> None:
         # hfacc reads sequence boundaries from these even when the model's forward does not take them (Bloom): a
@@ -337,6 +366,9 @@ class TokenWeightedTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """``S_j / N_window * P`` in training; the micro-batch's own mean in evaluation."""
         objective = self.get_objective(inputs)
+        packed = is_packed(inputs)
+        if self.padding_free and (model.training or objective.fused_in_eval):  # eval: unless logits are wanted
+            inputs = remove_padding(inputs) or inputs
         if model.training:
             window = self._take_window_slot(inputs)
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
@@ -346,7 +378,7 @@ class TokenWeightedTrainer(Trainer):
             self.meter.add_micro_batch(sums)
         else:
             outputs, sums = objective(model, inputs, per_sequence=True)
-            if is_packed(inputs):
+            if packed:
                 # One value per row, as gather_for_metrics expects: it drops the rows repeated across ranks.
                 sums = sums_per_row(sums, inputs["position_ids"])
             loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
