@@ -130,6 +130,32 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return 1 - self.real_tokens / max(self.padded_tokens, 1)
 
 
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into bins of at most ``capacity``, longest first, each into the fullest bin
+    it fits (best-fit decreasing: within 22 % of the fewest bins). Empty items are left out; an item longer than
+    ``capacity`` gets a bin of its own.
+
+    >>> best_fit_decreasing([3, 4, 1, 0], 4)
+    [[1], [0, 2]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    spaces: list[tuple[int, int]] = []  # (remaining space, bin id), sorted: the best fit is the first that fits
+    bins: list[list[int]] = []
+    for i in order:
+        length = lengths[i]
+        if length == 0:
+            continue
+        k = bisect.bisect_left(spaces, (length, -1))
+        if k < len(spaces):
+            space, row = spaces.pop(k)
+            bins[row].append(i)
+            bisect.insort(spaces, (space - length, row))
+        else:
+            bins.append([i])
+            bisect.insort(spaces, (max(capacity - length, 0), len(bins) - 1))
+    return bins
+
+
 def pack_examples(examples: Sequence[dict], max_length: int) -> list[dict]:
     """Pack tokenized examples into rows of at most ``max_length`` tokens, best-fit decreasing.
 
@@ -146,25 +172,12 @@ def pack_examples(examples: Sequence[dict], max_length: int) -> list[dict]:
     """
     if max_length < 1:
         raise ValueError(f"max_length={max_length}: it must be >= 1.")
-    order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
-    spaces: list[tuple[int, int]] = []  # (remaining space, row id), sorted: the best fit is the first that fits
-    rows: list[list[int]] = []
-    for i in order:
-        length = len(examples[i]["input_ids"])
+    lengths = [len(e["input_ids"]) for e in examples]
+    for i, length in enumerate(lengths):
         if length > max_length:
             raise ValueError(f"example {i} has {length} tokens, more than the packing length {max_length}.")
-        if length == 0:
-            continue
-        k = bisect.bisect_left(spaces, (length, -1))
-        if k < len(spaces):
-            space, row = spaces.pop(k)
-            rows[row].append(i)
-            bisect.insort(spaces, (space - length, row))
-        else:
-            rows.append([i])
-            bisect.insort(spaces, (max_length - length, len(rows) - 1))
     packed = []
-    for members in rows:
+    for members in best_fit_decreasing(lengths, max_length):
         ids, labels, positions = [], [], []
         for i in members:
             seq = list(examples[i]["input_ids"])

@@ -38,8 +38,9 @@ from .loss import (
 
 logger = logging.getLogger(__name__)
 
-# Batch keys that describe targets or hfacc's bookkeeping, never model inputs.
-NON_MODEL_KEYS = ("labels", "shift_labels")
+# Batch keys that describe targets or hfacc's bookkeeping, never model inputs. `sequence_ids` / `num_sequences`: which
+# of the batch's sequences each position belongs to (-1: none), where a layout put several in a row (padding-free).
+NON_MODEL_KEYS = ("labels", "shift_labels", "sequence_ids", "num_sequences")
 
 
 class Objective:
@@ -109,24 +110,19 @@ class CausalLMObjective(Objective):
 
     def count(self, batch):
         targets = self._targets(batch) != IGNORE_INDEX
-        positions = packed_position_ids(batch)
-        if positions is None:
+        sequences = get_batch_sequences(batch, targets.shape)
+        if sequences is None:
             return torch.stack([targets.sum(), targets.any(-1).sum()])
-        # Packed rows: count sequences, not rows. One slot per position bounds the number of sequences (no sync).
-        ids, _ = get_sequence_ids(positions.expand(targets.shape))
-        hit = torch.zeros(targets.numel(), dtype=torch.long, device=targets.device)
-        hit.scatter_reduce_(0, ids.flatten(), targets.flatten().long(), reduce="amax")
+        ids, n = sequences  # rows holding several sequences: count sequences, not rows
+        hit = torch.zeros(n, dtype=torch.long, device=targets.device).index_fill_(0, ids[targets], 1)
         return torch.stack([targets.sum(), hit.sum()])
 
     def __call__(self, model, batch, per_sequence=False):
         inputs = model_inputs(batch)
-        positions = packed_position_ids(inputs)
-        if positions is not None:
+        if packed_position_ids(inputs) is not None:
             inputs["use_cache"] = False
         targets = self._targets(batch)
-        sequences = None
-        if per_sequence and positions is not None:
-            sequences = get_sequence_ids(positions.expand(targets.shape))
+        sequences = get_batch_sequences(batch, targets.shape) if per_sequence else None
         if self.fused and (model.training or self.fused_in_eval) and not (per_sequence and torch.is_grad_enabled()):
             return self._fused(model, inputs, targets, per_sequence, sequences)
         outputs = model(**inputs)
@@ -159,6 +155,16 @@ class CausalLMObjective(Objective):
                 targets = targets.masked_fill(mask == 0, IGNORE_INDEX)  # padding predicts nothing
             return targets
         return shift_labels(batch["labels"], position_ids=batch.get("position_ids"), attention_mask=mask)
+
+
+def get_batch_sequences(batch: Mapping[str, Any], shape: torch.Size) -> tuple[torch.Tensor, int] | None:
+    """``(ids, n)``: which of the batch's n sequences each position belongs to, where rows hold several; None when
+    every row is one sequence. From hfacc's ``sequence_ids`` when a layout set them (padding-free: the original
+    rows), else from the restarts of packed rows' ``position_ids`` (:func:`hfacc.loss.get_sequence_ids`)."""
+    if batch.get("sequence_ids") is not None:
+        return batch["sequence_ids"], batch["num_sequences"]
+    positions = packed_position_ids(batch)
+    return None if positions is None else get_sequence_ids(positions.expand(shape))
 
 
 def packed_position_ids(batch: Mapping[str, Any]) -> torch.Tensor | None:

@@ -22,18 +22,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batching import position_ids_problem
+from .batching import best_fit_decreasing, position_ids_problem
+from .loss import IGNORE_INDEX
 from .objective import CausalLMObjective, Objective, get_base_model, get_logits
 
 
-def remove_padding(batch: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The real tokens of a padded batch laid end to end in one row; None when the batch cannot be laid out so.
+def remove_padding(batch: Mapping[str, Any], one_row: bool = True) -> dict[str, Any] | None:
+    """The real tokens of a padded batch laid end to end; None when the batch cannot be laid out so.
 
-    ``attention_mask`` ``[B, T]`` (right or left padding) says which positions are real. Every ``[B, T, ...]``
-    tensor of the batch (``input_ids``, ``labels``, ``token_type_ids``, ``inputs_embeds``, ...) keeps its real
-    positions, in order, as ``[1, N, ...]``; the mask is dropped and ``position_ids`` restart at 0 for each sequence.
-    The labels stay unshifted: :func:`hfacc.loss.shift_labels` finds the sequence boundaries from the restarts and
-    gives the same targets as on the padded batch.
+    ``attention_mask`` ``[B, T]`` (right or left padding) says which positions are real. With ``one_row`` every
+    ``[B, T, ...]`` tensor of the batch (``input_ids``, ``labels``, ``token_type_ids``, ``inputs_embeds``, ...)
+    keeps its real positions, in order, as ``[1, N, ...]``: the layout of variable-length attention kernels (flash,
+    flex), whose cost grows with the sum of the squared sequence lengths. Otherwise the sequences are packed
+    best-fit decreasing into rows as wide as the longest one: attention that masks a dense ``[rows, W, W]`` block
+    (sdpa, eager) then computes less than on one ``[N, N]`` row, and the little room left at the end of a row is
+    filled by one more sequence of its own (position 0, 1, ..., no target), which nothing else attends to.
+
+    The mask is dropped and ``position_ids`` restart at 0 for each sequence. The labels stay unshifted:
+    :func:`hfacc.loss.shift_labels` finds the sequence boundaries from the restarts and gives the same targets as on
+    the padded batch. ``sequence_ids`` (the original row of each position, -1 in the filler) and ``num_sequences``
+    (B) keep per-sequence sums per original row, in order.
 
     None (keep the padded batch) when there is no 2-D ``attention_mask``, a row's real tokens are not one run
     (holes in the mask) or a row is empty, the batch has its own ``position_ids`` that do not count from each
@@ -51,19 +59,42 @@ def remove_padding(batch: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     shape = tuple(mask.shape)
     real = mask.bool()
-    positions = real.long().cumsum(-1) - 1  # position within its own sequence, for every real token
     # Exactly one run of real tokens per row (right or left padding): a hole or an empty row has not one start.
     starts = real.clone()
     starts[:, 1:] &= ~real[:, :-1]
     given = batch.get("position_ids")
     if given is not None and (not torch.is_tensor(given) or given.dim() != 2):
         return None
-    bad = (starts.sum(-1) != 1).any()
-    if given is not None:
-        bad = bad | (given.expand(shape) != positions)[real].any()
-    if bad.item():  # one host sync: the row's length depends on the data anyway
+    stats = [real.sum(-1), starts.sum(-1), starts.long().argmax(-1)]
+    if given is not None:  # positions of its own must be the ones the row will have
+        stats.append(((given.expand(shape) != real.long().cumsum(-1) - 1) & real).sum(-1))
+    stats = torch.stack(stats).tolist()  # one host sync: the layout depends on the lengths
+    lengths, first = stats[0], stats[2]
+    if any(runs != 1 for runs in stats[1]) or (given is not None and any(stats[3])):
         return None
-    keep = real.flatten().nonzero().squeeze(1)
+    if one_row:
+        rows, width = [list(range(shape[0]))], sum(lengths)
+    else:
+        width = max(lengths)
+        rows = best_fit_decreasing(lengths, width)
+    # For every output position: the flat index of its token in the padded batch (-1: filler), its position in its
+    # sequence, and its original row (-1: filler).
+    index, positions, owner = [], [], []
+    for members in rows:
+        used = 0
+        for b in members:
+            n = lengths[b]
+            index.append(torch.arange(b * shape[1] + first[b], b * shape[1] + first[b] + n))
+            positions.append(torch.arange(n))
+            owner.append(torch.full((n,), b))
+            used += n
+        index.append(torch.full((width - used,), -1))
+        positions.append(torch.arange(width - used))
+        owner.append(torch.full((width - used,), -1))
+    device = mask.device
+    index = torch.cat(index).to(device)
+    filler = index < 0
+    gather = index.clamp(min=0)
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if key in ("attention_mask", "position_ids") or value is None:
@@ -71,11 +102,25 @@ def remove_padding(batch: Mapping[str, Any]) -> dict[str, Any] | None:
         if not torch.is_tensor(value):
             out[key] = value  # flags such as return_loss
         elif value.dim() >= 2 and tuple(value.shape[:2]) == shape:
-            out[key] = value.flatten(0, 1).index_select(0, keep).unsqueeze(0)
+            laid = value.flatten(0, 1).index_select(0, gather)
+            fill = IGNORE_INDEX if key in ("labels", "shift_labels") else 0
+            laid[filler] = fill
+            out[key] = laid.view(len(rows), width, *value.shape[2:])
         else:
             return None
-    out["position_ids"] = positions.flatten().index_select(0, keep).unsqueeze(0)
+    out["position_ids"] = torch.cat(positions).to(device).view(len(rows), width)
+    out["sequence_ids"] = torch.cat(owner).to(device).view(len(rows), width)
+    out["num_sequences"] = shape[0]
     return out
+
+
+def uses_one_row(model: nn.Module) -> bool:
+    """Whether ``model``'s attention has variable-length kernels (flash attention, flex attention's block masks):
+    their cost is the sum of each sequence's own, so one row is best. Dense masked attention (sdpa, eager) computes
+    every pair of a row, so it gets rows as wide as the longest sequence instead (see :func:`remove_padding`)."""
+    config = getattr(get_base_model(model), "config", None)
+    implementation = str(getattr(config, "_attn_implementation", None) or "")
+    return "flash" in implementation or "flex" in implementation
 
 
 def padding_free_problem(model: nn.Module, objective: Objective) -> str | None:
@@ -91,13 +136,18 @@ def padding_free_problem(model: nn.Module, objective: Objective) -> str | None:
 
 @torch.no_grad()
 def check_padding_free(
-    model: nn.Module, batch: Mapping[str, Any], tolerance: float | None = None, max_tokens: int = 64
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    one_row: bool | None = None,
+    tolerance: float | None = None,
+    max_tokens: int = 64,
 ) -> str | None:
     """Run a few sequences padded and padding-free; None if every real position's logits match, else why not.
 
     The sequences are the first real tokens of ``batch``, cut to three of different lengths (at most
-    ``max_tokens`` in all) and padded on the side ``batch`` is padded: the same small forward on every rank
-    whatever its data, so sharded models (FSDP, DeepSpeed) run it in step. A leak between packed sequences or a
+    ``max_tokens`` in all) and padded on the side ``batch`` is padded, then laid out as training will
+    (``one_row``, by default from :func:`uses_one_row`): the same small forward on every rank whatever its data, so
+    sharded models (FSDP, DeepSpeed) run it in step. A leak between packed sequences or a
     model that reads positions differently without padding shows as a mismatch. The comparison is relative to the
     largest logit; the tolerance is 1e-4 for fp32 weights, 3e-2 for half precision.
     """
@@ -120,7 +170,7 @@ def check_padding_free(
         padded_mask[row, cols] = 1
         offset += n
     padded = {"input_ids": padded_ids, "attention_mask": padded_mask}
-    row = remove_padding(padded)
+    row = remove_padding(padded, uses_one_row(model) if one_row is None else one_row)
     if tolerance is None:
         dtype = next(model.parameters()).dtype
         tolerance = 1e-4 if dtype == torch.float32 else 3e-2
@@ -128,7 +178,12 @@ def check_padding_free(
     model.eval()
     try:
         reference = get_logits(model(**padded, use_cache=False)).float()[padded_mask.bool()]
-        unpadded = get_logits(model(**row, use_cache=False)).float()[0]
+        laid = {k: v for k, v in row.items() if k not in ("sequence_ids", "num_sequences")}
+        logits = get_logits(model(**laid, use_cache=False)).float()
+        # Back to the padded order: the real positions of original row b are those with sequence_ids == b.
+        owner = row["sequence_ids"].flatten()
+        order = torch.cat([(owner == b).nonzero().flatten() for b in range(len(lengths))])
+        unpadded = logits.flatten(0, 1)[order]
     except Exception as err:  # a model whose forward does something unexpected with position_ids
         return f"the padding-free forward failed ({type(err).__name__}: {err})"
     finally:

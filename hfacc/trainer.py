@@ -43,7 +43,7 @@ from .objective import (
     compute_micro_batch_loss,
     get_objective,
 )
-from .padding_free import check_padding_free, padding_free_problem, remove_padding
+from .padding_free import check_padding_free, padding_free_problem, remove_padding, uses_one_row
 
 logger = logging.getLogger(__name__)
 
@@ -223,6 +223,7 @@ class TokenWeightedTrainer(Trainer):
         self.window_batches: list = []
         self._packing_checked = False
         self.padding_free = False  # decided with the objective, on the first micro-batch
+        self.padding_free_one_row = True  # one row for variable-length attention kernels, else rows
         self._window_left = 0
         self.meter = LossMeter(self.args.device)
         if getattr(self.args, "audit_every_n_steps", 0):
@@ -326,10 +327,14 @@ class TokenWeightedTrainer(Trainer):
             return
         problem = padding_free_problem(self.model, objective)
         if problem is None:
-            problem = check_padding_free(self.model, self._prepare_inputs(batch))
+            self.padding_free_one_row = uses_one_row(self.model)
+            problem = check_padding_free(self.model, self._prepare_inputs(batch), self.padding_free_one_row)
             self.padding_free = all_ranks_agree(problem is None, self.accelerator)
         if self.padding_free:
-            logger.info("hfacc: padding-free micro-batches: checked, logits match the padded run.")
+            logger.info(
+                "hfacc: padding-free micro-batches (%s): checked, logits match the padded run.",
+                "one row" if self.padding_free_one_row else "packed in rows as wide as the longest sequence",
+            )
         elif isinstance(objective, CausalLMObjective):
             logger.warning(
                 "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
@@ -368,7 +373,7 @@ class TokenWeightedTrainer(Trainer):
         objective = self.get_objective(inputs)
         packed = is_packed(inputs)
         if self.padding_free and (model.training or objective.fused_in_eval):  # eval: unless logits are wanted
-            inputs = remove_padding(inputs) or inputs
+            inputs = remove_padding(inputs, self.padding_free_one_row) or inputs
         if model.training:
             window = self._take_window_slot(inputs)
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)

@@ -9,7 +9,7 @@ import transformers as T
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
 from hfacc.loss import shift_labels
 from hfacc.objective import CausalLMObjective, SequenceClassificationObjective
-from hfacc.padding_free import check_padding_free, padding_free_problem, remove_padding
+from hfacc.padding_free import check_padding_free, padding_free_problem, remove_padding, uses_one_row
 from tests.helpers import (
     VOCAB,
     flat_grad,
@@ -39,7 +39,7 @@ def test_right_and_left_padding_give_the_same_row_and_targets():
     rows = [remove_padding(b) for b in (right, left)]
     concatenated = [t for e in examples for t in e["input_ids"]]
     for row in rows:
-        assert set(row) == {"input_ids", "labels", "position_ids"}
+        assert set(row) == {"input_ids", "labels", "position_ids", "sequence_ids", "num_sequences"}
         assert row["input_ids"][0].tolist() == concatenated
         assert row["position_ids"][0].tolist() == [p for e in examples for p in range(len(e["input_ids"]))]
     # The targets of the row are those of the padded batch, position by position of the real tokens.
@@ -47,6 +47,26 @@ def test_right_and_left_padding_give_the_same_row_and_targets():
         padded = shift_labels(batch["labels"], attention_mask=batch["attention_mask"])
         unpadded = shift_labels(row["labels"], position_ids=row["position_ids"])
         assert unpadded[0].tolist() == padded[batch["attention_mask"].bool()].tolist()
+
+
+def test_rows_as_wide_as_the_longest_sequence_for_dense_attention():
+    examples = [{"input_ids": list(range(1, n + 1)), "labels": list(range(1, n + 1))} for n in (6, 2, 3, 4, 1)]
+    batch = pad(examples)
+    rows = remove_padding(batch, one_row=False)
+    # Best-fit decreasing into rows of 6: [6] [4 2] [3 1 + one filler]; the filler is a sequence of its own.
+    assert rows["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 1, 2], [1, 2, 3, 1, 0, 0]]
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 0, 1], [0, 1, 2, 0, 0, 1]]
+    assert rows["sequence_ids"].tolist() == [[0] * 6, [3] * 4 + [1] * 2, [2] * 3 + [4] + [-1] * 2]
+    assert rows["labels"][2, 4:].tolist() == [-100, -100]
+    targets = CausalLMObjective._targets(rows)
+    assert (
+        sorted(targets[targets != -100].tolist())
+        == sorted(shift_labels(batch["labels"], attention_mask=batch["attention_mask"]).flatten().tolist())[
+            5 * 6 - 11 :
+        ]
+    )  # the same 11 targets (5 sequences of 16 tokens)
+    per_sequence = CausalLMObjective().count(rows)
+    assert per_sequence.tolist() == CausalLMObjective().count(batch).tolist() == [11, 4]
 
 
 def test_batches_that_cannot_be_laid_out_in_one_row_stay_padded():
@@ -106,30 +126,52 @@ def test_every_family_gets_the_padded_gradient(family):
     model = T.AutoModelForCausalLM.from_config(tiny_config(family)).float()
     examples = make_examples(5, seed=3, lengths=(5, 30))
     assert check_padding_free(model, pad(examples)) is None
-    cases = [("right", False, False), ("left", True, False), ("right", False, True)]  # side, fused, per sequence
-    for side, fused, per_sequence in cases:
+    # (side, fused loss, per-sequence sums, one row or rows of the longest sequence)
+    cases = [("right", False, False, True), ("left", True, False, False), ("right", False, True, False)]
+    for side, fused, per_sequence, one_row in cases:
         batch = pad(examples) if side == "right" else left_pad(examples)
         padded = gradient(model, batch, fused, per_sequence)
-        unpadded = gradient(model, remove_padding(batch), fused, per_sequence)
-        assert relative_error(unpadded, padded) <= 1e-6, (family, side, fused, per_sequence)
+        unpadded = gradient(model, remove_padding(batch, one_row), fused, per_sequence)
+        assert relative_error(unpadded, padded) <= 1e-6, (family, side, fused, per_sequence, one_row)
 
 
-def test_trainer_is_padding_free_by_default_and_exact(tmp_path, caplog):
-    examples = make_examples(8, seed=4)
+def record_inputs(model):
+    """Shape of input_ids and whether an attention_mask came, for every forward of the decoder."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        seen.append((tuple(kwargs["input_ids"].shape), kwargs.get("attention_mask") is not None))
+
+    return seen, model.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def test_one_row_for_variable_length_kernels_rows_for_dense_masks():
+    model = build_tiny_llama(vocab_size=VOCAB)
+    assert not uses_one_row(model)  # sdpa
+    for implementation, one_row in [("flash_attention_2", True), ("flex_attention", True), ("eager", False)]:
+        model.config._attn_implementation = implementation
+        assert uses_one_row(model) is one_row
+
+
+@pytest.mark.parametrize("layout", ["rows", "one_row"])
+def test_trainer_is_padding_free_by_default_and_exact(tmp_path, caplog, monkeypatch, layout):
+    if layout == "one_row":  # what flash/flex attention get (neither runs backward on this CPU); sdpa is exact too
+        monkeypatch.setattr("hfacc.trainer.uses_one_row", lambda model: True)
+    examples = make_examples(16, seed=4)
     model = build_tiny_llama(vocab_size=VOCAB)
     reference, token_loss, accuracy = full_batch_causal_lm(model, examples)
-    shapes = []
-    model.model.register_forward_pre_hook(
-        lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
-    )
+    seen, _ = record_inputs(model)
     with caplog.at_level(logging.INFO, logger="hfacc"):
-        trainer, capture = run_trainer(
-            TokenWeightedTrainer, model, examples, train_args(tmp_path, 2, 4), DataCollatorForCausalLM(0)
-        )
+        trainer, capture = run_trainer(TokenWeightedTrainer, model, examples, train_args(tmp_path, 8, 2), COLLATE)
     assert trainer.padding_free and "padding-free micro-batches" in caplog.text
-    training = shapes[-4:]  # after the start-up checks: one row per micro-batch, its real tokens only
-    assert [s[0] for s in training] == [1] * 4
-    assert sum(s[1] for s in training) == sum(len(e["input_ids"]) for e in examples)
+    training = seen[-2:]  # after the start-up checks: no attention_mask, no padding
+    assert not any(masked for _, masked in training)
+    micro_batches = (examples[:8], examples[8:])
+    if layout == "one_row":  # variable-length kernels: one row of the real tokens
+        assert [shape for shape, _ in training] == [(1, sum(len(e["input_ids"]) for e in b)) for b in micro_batches]
+    else:  # dense masks: rows as wide as the longest sequence, fewer positions than padded
+        padded = [len(b) * max(len(e["input_ids"]) for e in b) for b in micro_batches]
+        assert all(r * w < p for ((r, w), _), p in zip(training, padded, strict=True))
     assert relative_error(capture.grads[0], reference) <= 1e-6
     log = trainer.state.log_history[0]
     assert log["loss"] == pytest.approx(token_loss, rel=1e-5)
@@ -192,20 +234,17 @@ def test_evaluation_takes_the_same_path_unless_logits_are_wanted(tmp_path):
     _, token_loss, accuracy = full_batch_causal_lm(model, examples)
     args = train_args(tmp_path, 2, 1, args_class=TokenWeightedArguments, per_device_eval_batch_size=4)
     trainer, _ = run_trainer(TokenWeightedTrainer, model, examples[:2], args, COLLATE)
-    shapes = []
-    hook = model.model.register_forward_pre_hook(
-        lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
-    )
+    seen, hook = record_inputs(model)
     metrics = trainer.evaluate(Dataset.from_list(examples))
     assert metrics["eval_loss"] == pytest.approx(token_loss, rel=1e-5)
     assert metrics["eval_token_accuracy"] == pytest.approx(accuracy, rel=1e-5)
-    assert {s[0] for s in shapes} == {1}
-    shapes.clear()
+    assert len(seen) == 3 and not any(masked for _, masked in seen)
+    seen.clear()
     trainer.objective.fused_in_eval = False  # what compute_metrics asks for: logits per padded position
     metrics = trainer.evaluate(Dataset.from_list(examples))
     hook.remove()
     assert metrics["eval_loss"] == pytest.approx(token_loss, rel=1e-5)
-    assert {s[0] for s in shapes} == {4, 2}
+    assert [shape[0] for shape, masked in seen if masked] == [4, 4, 2]
 
 
 class IgnoresPositions(torch.nn.Module):
