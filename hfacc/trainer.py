@@ -33,7 +33,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .batching import TokenBudgetBatchSampler, check_packing, is_packed
 from .checkpoint import mark_checkpoint_complete, resolve_checkpoint, rotate_checkpoints
-from .loss import NORMALIZATIONS, LossSums, WindowCounts, sums_per_row
+from .loss import IGNORE_INDEX, NORMALIZATIONS, LossSums, WindowCounts, sums_per_row
 from .objective import (
     OBJECTIVES,
     CausalLMObjective,
@@ -277,6 +277,8 @@ class TokenWeightedTrainer(Trainer):
         self.window_batches = batch_samples  # the Trainer holds these for the whole window anyway
         if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
             self._check_packing(batch_samples[0])
+        if self.window is None:  # the first window
+            warn_about_padding_labels(batch_samples)
         self.window = self.count_window(batch_samples, device)
         self._window_left = len(batch_samples)
         self.meter.start_window()
@@ -455,6 +457,25 @@ class TokenWeightedTrainer(Trainer):
 
     def _has_accuracy(self) -> bool:
         return self.objective is not None and self.objective.has_accuracy
+
+
+def warn_about_padding_labels(batches: list[Mapping[str, Any]]) -> None:
+    """Say once when a collator left labels on padding: padding is never a target (:func:`hfacc.loss.shift_labels`).
+
+    Stock ``Trainer`` would train them (the last token learns to predict the pad, pads predict pads); hfacc does not,
+    padded or padding-free, so the two give the same update.
+    """
+    found = 0
+    for batch in batches:
+        labels, mask = batch.get("labels"), batch.get("attention_mask")
+        if torch.is_tensor(labels) and torch.is_tensor(mask) and mask.shape == labels.shape:
+            found += int(((labels != IGNORE_INDEX) & (mask == 0)).sum())
+    if found:
+        logger.warning(
+            "hfacc: %d labels at padding positions (attention_mask 0) are not -100 in the first window; padding is "
+            "never a target, so they are ignored. To train an end-of-sequence token, put it in the examples.",
+            found,
+        )
 
 
 class LossMeter:

@@ -297,3 +297,24 @@ def test_rows_packed_by_transformers_flattening_collator(tmp_path):
     trainer, capture = run_trainer(TokenWeightedTrainer, model, examples, train_args(tmp_path, 4, 2), collator)
     assert relative_error(capture.grads[0], reference) <= 1e-6
     assert trainer.state.log_history[0]["loss"] == pytest.approx(token_loss, rel=1e-5)
+
+
+def test_labels_left_on_padding_are_not_targets_and_it_is_said(tmp_path, caplog):
+    """A collator that copies input_ids (padding included) into labels: padding is never a target, padded or
+    padding-free, so both give the big batch's update; the user hears about it once."""
+
+    def copies_padding_into_labels(rows):
+        batch = COLLATE(rows)
+        batch["labels"] = torch.where(batch["attention_mask"] == 1, batch["labels"], batch["input_ids"])
+        return batch
+
+    examples = make_examples(8, seed=11)
+    model = build_tiny_llama(vocab_size=VOCAB)
+    reference, _, _ = full_batch_causal_lm(model, examples)
+    for padding_free in (True, False):
+        args = train_args(tmp_path, 4, 2, args_class=TokenWeightedArguments, padding_free=padding_free)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="hfacc"):
+            _, capture = run_trainer(TokenWeightedTrainer, model, examples, args, copies_padding_into_labels)
+        assert caplog.text.count("labels at padding positions") == 1
+        assert relative_error(capture.grads[0], reference) <= 1e-6
