@@ -2,20 +2,26 @@
 
     python benchmarks/throughput.py                    # CPU, fp32: the numbers in benchmarks/README.md
     python benchmarks/throughput.py --device cuda --dtype bf16 --vocab 128256 --hidden 1024 --layers 8  # a GPU
+    python benchmarks/throughput.py --device cuda --dtype bf16 --attention flash_attention_2 ...           # varlen
 
-Same model (Llama-style; default vocab 32000, hidden 256, 4 layers), same data (prompt/answer examples of 56-452
-tokens, 30-70 % prompt masked with -100), same optimizer, each contender trains one full epoch per round, rounds
-alternate the order. Contenders:
+Same model (Llama-style; default vocab 32000, hidden 256, 4 layers), same data (32 prompt/answer examples of
+32-512 tokens, 30-70 % prompt masked with -100), same optimizer, bs 8 and GA 2 everywhere, each contender trains
+two epochs per round and the second is timed (steady state: one-time start-up work such as hfacc's checks and
+TRL's dataset preparation is left out and reported apart), rounds alternate the order. The user brings their own padding collator
+(transformers' DataCollatorForSeq2Seq, which pads labels with -100) wherever a trainer accepts one. Contenders:
 
-- stock:  transformers.Trainer, per_device_train_batch_size 4, GA 2, padded batches, the model's own loss.
-- trl:    trl.SFTTrainer with the same batch settings (its default fused LM head and metrics; fp32 unless --dtype).
-- hfacc:  TokenWeightedTrainer as the recipe runs it: fused chunked cross-entropy, micro-batches of at most
-          4 x 452 padded tokens (the same memory bound as stock's largest micro-batch), GA 2.
+- stock:          transformers.Trainer, padded batches, the model's own loss.
+- trl:            trl.SFTTrainer (its collator, padded; its fused LM head and metrics).
+- trl_pf:         trl.SFTTrainer with padding_free=True (its own collator: one row per micro-batch).
+- hfacc_padded:   TokenWeightedTrainer with padding_free=False: the defaults before padding-free (fused loss).
+- hfacc:          TokenWeightedTrainer, defaults: fused loss and padding-free micro-batches.
+- hfacc_budget:   hfacc defaults plus micro-batches of at most 8 x 512 padded tokens (sorted by length).
 
-Throughput is target tokens (labels != -100 after the shift) per second of training. Memory is measured with the
-PyTorch profiler's allocation events (CPU) or torch.cuda.max_memory_allocated (GPU) for one micro-batch of 4 x 452
-tokens: the *loss step* (from the final hidden states through loss and backward; full logits vs each fused head)
-and the whole forward/backward step. Ratios are to stock.
+Throughput is target tokens (labels != -100 after the shift) per second of the timed epoch; "start-up" is how
+much longer the first epoch took than the second. Memory is measured with the PyTorch profiler's allocation events (CPU) or
+torch.cuda.max_memory_allocated (GPU) for the micro-batch of the 8 longest sequences: the *loss step* (final hidden
+states through loss and backward) and the whole forward/backward step. Ratios are to stock. The script also prints
+the relative gradient difference between hfacc's padded and padding-free micro-batch.
 """
 
 import argparse
@@ -30,22 +36,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import build_bench_examples, build_bench_model, count_targets, median  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
+from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer  # noqa: E402
+from hfacc import TokenWeightedArguments, TokenWeightedTrainer  # noqa: E402
 from hfacc.loss import shift_labels  # noqa: E402
 from hfacc.memory import peak_memory  # noqa: E402
-from hfacc.objective import _FusedOutputHead  # noqa: E402
+from hfacc.objective import CausalLMObjective, _FusedOutputHead  # noqa: E402
+from hfacc.padding_free import remove_padding, uses_one_row  # noqa: E402
 
-BS, GA, MAX_LEN = 4, 2, 452
+BS, GA, MIN_LEN, MAX_LEN = 8, 2, 32, 512
+CONTENDERS = ("stock", "trl", "trl_pf", "hfacc_padded", "hfacc", "hfacc_budget")
 
 
-def common_args(tmp, device, dtype):
+def common_args(tmp, device, dtype, epochs=2):
     return dict(
         output_dir=tmp,
         per_device_train_batch_size=BS,
         gradient_accumulation_steps=GA,
-        num_train_epochs=1,
+        num_train_epochs=epochs,
         learning_rate=1e-4,
         report_to=[],
         save_strategy="no",
@@ -58,65 +66,101 @@ def common_args(tmp, device, dtype):
     )
 
 
+def user_collator():
+    """The user's own padding collator: transformers' DataCollatorForSeq2Seq pads input_ids and labels (-100)."""
+    return DataCollatorForSeq2Seq(bench_tokenizer(), padding=True)
+
+
 def run_stock(model, examples, tmp, device, dtype):
     args = TrainingArguments(**common_args(tmp, device, dtype))
-    return Trainer(
-        model=model, args=args, train_dataset=Dataset.from_list(examples), data_collator=DataCollatorForCausalLM(0)
-    )
+    return Trainer(model=model, args=args, train_dataset=Dataset.from_list(examples), data_collator=user_collator())
 
 
-def run_hfacc(model, examples, tmp, device, dtype, budget=BS * MAX_LEN, packing=False):
-    args = TokenWeightedArguments(**common_args(tmp, device, dtype), max_tokens_per_batch=budget)
-    data = examples
-    if packing:
-        from hfacc.batching import pack_examples
-
-        data = pack_examples(examples, MAX_LEN)
+def run_hfacc(model, examples, tmp, device, dtype, **settings):
+    args = TokenWeightedArguments(**common_args(tmp, device, dtype), **settings)
     return TokenWeightedTrainer(
-        model=model, args=args, train_dataset=Dataset.from_list(data), data_collator=DataCollatorForCausalLM(0)
+        model=model, args=args, train_dataset=Dataset.from_list(examples), data_collator=user_collator()
     )
 
 
-def run_trl(model, examples, tmp, device, dtype):
+def run_trl(model, examples, tmp, device, dtype, padding_free=False):
     from trl import SFTConfig, SFTTrainer
 
     rows = [{"input_ids": e["input_ids"], "completion_mask": [int(y != -100) for y in e["labels"]]} for e in examples]
-    config = SFTConfig(**common_args(tmp, device, dtype), max_length=None, completion_only_loss=True, packing=False)
+    config = SFTConfig(
+        **common_args(tmp, device, dtype),
+        max_length=None,
+        completion_only_loss=True,
+        packing=False,
+        padding_free=padding_free,
+    )
     return SFTTrainer(
         model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=bench_tokenizer()
     )
 
 
-def bench_tokenizer():
+def bench_tokenizer(vocab_size=32000):
     """A tokenizer TRL accepts for pre-tokenized data: word-level over the benchmark's id range, pad = id 0."""
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(32000)}
+    vocab = {f"t{i}": i for i in range(vocab_size)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="t0", eos_token="t2", unk_token="t1")
 
 
-RUNNERS = {"stock": run_stock, "trl": run_trl, "hfacc": run_hfacc}
+RUNNERS = {
+    "stock": run_stock,
+    "trl": run_trl,
+    "trl_pf": lambda *a: run_trl(*a, padding_free=True),
+    "hfacc_padded": lambda *a: run_hfacc(*a, padding_free=False),
+    "hfacc": run_hfacc,
+    "hfacc_budget": lambda *a: run_hfacc(*a, max_tokens_per_batch=BS * MAX_LEN),
+}
 
 
-def train_epoch(kind, cli, examples, targets):
+def new_model(cli):
     model = build_bench_model(cli.vocab, cli.hidden, cli.layers)
+    model.config._attn_implementation = cli.attention
+    return model
+
+
+class EpochTimer(TrainerCallback):
+    """Wall time of every epoch (on CUDA, after the device has finished its work)."""
+
+    def __init__(self, device):
+        self.device, self.times, self._start = device, [], None
+
+    def _now(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._start = self._now()
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.times.append(self._now() - self._start)
+
+
+def train_epochs(kind, cli, examples, targets):
+    """(target tokens/s of the last epoch, seconds the first epoch took longer than the last)."""
+    model = new_model(cli)
+    timer = EpochTimer(cli.device)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = RUNNERS[kind](model, examples, tmp, cli.device, cli.dtype)
-        start = time.perf_counter()
+        trainer.add_callback(timer)
         trainer.train()
-        elapsed = time.perf_counter() - start
-    return targets / elapsed
+    return targets / timer.times[-1], timer.times[0] - timer.times[-1]
 
 
 def memory_table(cli, examples):
-    """Peak memory of the loss step and of a whole micro-batch step, for one micro-batch of 4 x 452 tokens."""
+    """Peak memory of the loss step and of a whole micro-batch step, for the micro-batch of the 8 longest."""
     from trl.trainer.utils import add_fused_lm_head
 
     longest = sorted(examples, key=lambda e: -len(e["input_ids"]))[:BS]
-    batch = {k: v.to(cli.device) for k, v in DataCollatorForCausalLM(0)(longest).items()}
-    model = build_bench_model(cli.vocab, cli.hidden, cli.layers).to(cli.device)
+    batch = {k: v.to(cli.device) for k, v in user_collator()(longest).items()}
+    model = new_model(cli).to(cli.device)
     dtype = torch.bfloat16 if cli.dtype == "bf16" else torch.float32
     amp = torch.autocast(cli.device, dtype=dtype, enabled=dtype != torch.float32)
     with torch.no_grad(), amp:
@@ -158,9 +202,8 @@ def memory_table(cli, examples):
             loss = -(log_probs.view(mask.shape) * mask).sum() / mask.sum()
         loss.backward()
 
-    loss_step = {"stock": full_logits_loss, "trl": trl_loss, "hfacc": hfacc_loss}
     results = {}
-    for kind, fn in loss_step.items():
+    for kind, fn in {"stock": full_logits_loss, "trl": trl_loss, "hfacc": hfacc_loss}.items():
         model.zero_grad(set_to_none=True)
         results[("loss step", kind)] = peak_memory(fn, cli.device)
 
@@ -169,73 +212,110 @@ def memory_table(cli, examples):
             loss = model(**batch).loss
         loss.backward()
 
-    def step_hfacc():
-        from hfacc.objective import CausalLMObjective
+    unpadded = remove_padding(batch, uses_one_row(model))
 
+    def step_hfacc(inputs):
         with amp:
-            _, sums = CausalLMObjective(fused=True)(model, batch)
+            _, sums = CausalLMObjective(fused=True)(model, inputs)
             loss = sums.loss / sums.count
         loss.backward()
 
-    trl_model = build_bench_model(cli.vocab, cli.hidden, cli.layers).to(cli.device)
+    trl_model = new_model(cli).to(cli.device)
     add_fused_lm_head(trl_model, outputs=("log_probs", "entropy", "is_top1"))
+    one_row = remove_padding(batch, True)
 
-    def step_trl():
+    def step_trl(inputs):
         with amp:
-            loss = trl_model(**batch, fused_lm_head=True).loss
+            loss = trl_model(
+                **{k: v for k, v in inputs.items() if k in ("input_ids", "attention_mask", "position_ids", "labels")},
+                fused_lm_head=True,
+            ).loss
         loss.backward()
 
-    for kind, fn in {"stock": step_stock, "trl": step_trl, "hfacc": step_hfacc}.items():
+    steps = {
+        "stock": step_stock,
+        "trl": lambda: step_trl(batch),
+        "trl_pf": lambda: step_trl(one_row),
+        "hfacc_padded": lambda: step_hfacc(batch),
+        "hfacc": lambda: step_hfacc(unpadded),
+    }
+    for kind, fn in steps.items():
         model.zero_grad(set_to_none=True)
         trl_model.zero_grad(set_to_none=True)
         results[("whole step", kind)] = peak_memory(fn, cli.device)
+    results[("whole step", "hfacc_budget")] = results[("whole step", "hfacc")]  # same largest micro-batch
+    # Padded and padding-free give the same gradient (fp32 rounding).
+    grads = []
+    for inputs in (batch, unpadded):
+        model.zero_grad(set_to_none=True)
+        step_hfacc(inputs)
+        grads.append(torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None]))
+    results["gradient difference"] = ((grads[1] - grads[0]).norm() / grads[0].norm()).item()
     return results
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--examples", type=int, default=48, help="examples per epoch")
+    parser.add_argument("--examples", type=int, default=32, help="examples per epoch")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--attention", default="sdpa", help="attn_implementation, e.g. sdpa, flash_attention_2")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--contenders", default="stock,trl,hfacc")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     cli = parser.parse_args()
+    if cli.threads:
+        torch.set_num_threads(cli.threads)
     import datasets
     from transformers.utils import logging as hf_logging
 
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()
-    examples = build_bench_examples(cli.examples, vocab_size=cli.vocab, lengths=(56, MAX_LEN))
+    examples = build_bench_examples(cli.examples, vocab_size=cli.vocab, lengths=(MIN_LEN, MAX_LEN))
     targets = count_targets(examples)
     kinds = cli.contenders.split(",")
-    print(
-        f"{cli.examples} examples, {targets} target tokens per epoch; {cli.device}, {cli.dtype}, "
-        f"vocab {cli.vocab}, hidden {cli.hidden}, {cli.layers} layers, torch threads {torch.get_num_threads()}"
+    padded = sum(
+        len(examples[i : i + BS]) * max(len(e["input_ids"]) for e in examples[i : i + BS])
+        for i in range(0, len(examples), BS)
     )
-    speed = {k: [] for k in kinds}
+    real = sum(len(e["input_ids"]) for e in examples)
+    print(
+        f"{cli.examples} examples, {targets} target tokens per epoch, {100 * (1 - real / padded):.0f} % padding in "
+        f"batches of {BS}; {cli.device}, {cli.dtype}, {cli.attention}, vocab {cli.vocab}, hidden {cli.hidden}, "
+        f"{cli.layers} layers, torch threads {torch.get_num_threads()}"
+    )
+    speed, startup = {k: [] for k in kinds}, {k: [] for k in kinds}
     for r in range(cli.rounds):
         order = kinds if r % 2 == 0 else kinds[::-1]
         for kind in order:
-            speed[kind].append(train_epoch(kind, cli, examples, targets))
-        print(f"round {r + 1}: " + ", ".join(f"{k} {speed[k][-1]:.0f}" for k in kinds) + " target tokens/s")
-    memory = memory_table(cli, examples)
-    # Paired per round (same machine state), then the median: steadier than a ratio of medians on a shared box.
-    paired = {k: median([a / b for a, b in zip(speed[k], speed["stock"], strict=True)]) for k in kinds}
-    print(
-        "\n| contender | target tokens/s (median) | vs stock (median of per-round ratios) | loss-step peak MiB "
-        "| vs stock | whole-step peak MiB | vs stock |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for kind in kinds:
-        tps = median(speed[kind])
-        loss_mem, step_mem = memory[("loss step", kind)] / 2**20, memory[("whole step", kind)] / 2**20
-        ref_loss, ref_step = memory[("loss step", "stock")] / 2**20, memory[("whole step", "stock")] / 2**20
+            tokens_per_second, extra = train_epochs(kind, cli, examples, targets)
+            speed[kind].append(tokens_per_second)
+            startup[kind].append(extra)
         print(
-            f"| {kind} | {tps:.0f} | {paired[kind]:.2f}x | {loss_mem:.1f} | {loss_mem / ref_loss:.2f}x | "
-            f"{step_mem:.1f} | {step_mem / ref_step:.2f}x |"
+            f"round {r + 1}: " + ", ".join(f"{k} {speed[k][-1]:.0f}" for k in kinds) + " target tokens/s", flush=True
+        )
+    memory = memory_table(cli, examples)
+    print(f"gradient, hfacc padding-free vs padded (relative): {memory['gradient difference']:.1e}")
+    # Paired per round (same machine state), then the median: steadier than a ratio of medians on a shared box.
+    reference = "stock" if "stock" in kinds else kinds[0]
+    paired = {k: median([a / b for a, b in zip(speed[k], speed[reference], strict=True)]) for k in kinds}
+    print(
+        "\n| contender | target tokens/s (median) | vs stock (median of per-round ratios) | start-up s (median) "
+        "| loss-step peak MiB | vs stock | whole-step peak MiB | vs stock |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    ref_loss, ref_step = memory[("loss step", "stock")] / 2**20, memory[("whole step", "stock")] / 2**20
+    for kind in kinds:
+        loss_key = ("loss step", kind.split("_")[0])
+        loss_mem = memory[loss_key] / 2**20
+        step_mem = memory[("whole step", kind)] / 2**20
+        print(
+            f"| {kind} | {median(speed[kind]):.0f} | {paired[kind]:.2f}x | {median(startup[kind]):.1f} "
+            f"| {loss_mem:.1f} | {loss_mem / ref_loss:.2f}x "
+            f"| {step_mem:.1f} | {step_mem / ref_step:.2f}x |"
         )
 
 

@@ -6,7 +6,7 @@ Both train the same Llama-style model (vocab 32000, hidden 256, 4 layers) on the
 data with bs=2, GA=4, fp32 on the CPU. This is a model whose forward consumes `num_items_in_batch`, the one case
 where the stock Trainer is already exact, so the comparison isolates hfacc's own cost: counting each window's
 targets, computing the loss outside the model and logging exactly. hfacc runs its plain-logits path here
-(`fused_loss=False`) so that the fused loss of benchmarks/throughput.py does not flatter it.
+(`fused_loss=False`, `padding_free=False`) so that the speed-ups of benchmarks/throughput.py do not flatter it.
 Rounds alternate which trainer goes first; the printed ratio is median(hfacc step) / median(stock step).
 """
 
@@ -26,7 +26,9 @@ from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeighted
 
 def run(kind, dataset, steps, tmp):
     timer = StepTimer(warmup=1)
-    extra = {"args_class": TokenWeightedArguments, "fused_loss": False} if kind == "hfacc" else {}
+    extra = (
+        {"args_class": TokenWeightedArguments, "fused_loss": False, "padding_free": False} if kind == "hfacc" else {}
+    )
     args = bench_args(tmp, bs=2, ga=4, max_steps=steps + 1, **extra)
     cls = TokenWeightedTrainer if kind == "hfacc" else Trainer
     trainer = cls(

@@ -8,6 +8,7 @@ window is the same big batch however it was cut.
 from __future__ import annotations
 
 import bisect
+import inspect
 import logging
 import random
 from collections.abc import Iterator, Sequence
@@ -15,7 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.utils.data import Sampler
 
-from .loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX, get_sequence_starts
 
 logger = logging.getLogger(__name__)
 
@@ -129,14 +130,41 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return 1 - self.real_tokens / max(self.padded_tokens, 1)
 
 
+def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Indices of ``lengths`` grouped into bins of at most ``capacity``, longest first, each into the fullest bin
+    it fits (best-fit decreasing: within 22 % of the fewest bins). Empty items are left out; an item longer than
+    ``capacity`` gets a bin of its own.
+
+    >>> best_fit_decreasing([3, 4, 1, 0], 4)
+    [[1], [0, 2]]
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    spaces: list[tuple[int, int]] = []  # (remaining space, bin id), sorted: the best fit is the first that fits
+    bins: list[list[int]] = []
+    for i in order:
+        length = lengths[i]
+        if length == 0:
+            continue
+        k = bisect.bisect_left(spaces, (length, -1))
+        if k < len(spaces):
+            space, row = spaces.pop(k)
+            bins[row].append(i)
+            bisect.insort(spaces, (space - length, row))
+        else:
+            bins.append([i])
+            bisect.insort(spaces, (max(capacity - length, 0), len(bins) - 1))
+    return bins
+
+
 def pack_examples(examples: Sequence[dict], max_length: int) -> list[dict]:
     """Pack tokenized examples into rows of at most ``max_length`` tokens, best-fit decreasing.
 
     Each row gets ``position_ids`` that restart at 0 for every sequence, which is how transformers (5.x) tells
     packed sequences apart: with no ``attention_mask`` and no cache, it builds a block-diagonal causal mask (sdpa,
-    eager) or uses variable-length kernels (flash attention). The label of each sequence's first token is set to
-    -100: in a row, the previous sequence's last position would otherwise learn to predict it, a target the
-    unpacked sequence never had. So the targets are exactly those of the unpacked examples.
+    eager) or uses variable-length kernels (flash attention). hfacc's targets never cross a sequence boundary
+    (:func:`hfacc.loss.shift_labels`); the label of each sequence's first token is set to -100 all the same, so the
+    rows stay right for a trainer that shifts labels across the whole row. So the targets are exactly those of the
+    unpacked examples. Empty examples carry no token and no target: they are left out, as TRL's BFD packing does.
 
     >>> rows = pack_examples([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, 5]}], 8)
     >>> rows[0]["input_ids"], rows[0]["labels"], rows[0]["position_ids"]
@@ -144,27 +172,19 @@ def pack_examples(examples: Sequence[dict], max_length: int) -> list[dict]:
     """
     if max_length < 1:
         raise ValueError(f"max_length={max_length}: it must be >= 1.")
-    order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
-    spaces: list[tuple[int, int]] = []  # (remaining space, row id), sorted: the best fit is the first that fits
-    rows: list[list[int]] = []
-    for i in order:
-        length = len(examples[i]["input_ids"])
+    lengths = [len(e["input_ids"]) for e in examples]
+    for i, length in enumerate(lengths):
         if length > max_length:
             raise ValueError(f"example {i} has {length} tokens, more than the packing length {max_length}.")
-        k = bisect.bisect_left(spaces, (length, -1))
-        if k < len(spaces):
-            space, row = spaces.pop(k)
-            rows[row].append(i)
-            bisect.insort(spaces, (space - length, row))
-        else:
-            rows.append([i])
-            bisect.insort(spaces, (max_length - length, len(rows) - 1))
     packed = []
-    for members in rows:
+    for members in best_fit_decreasing(lengths, max_length):
         ids, labels, positions = [], [], []
         for i in members:
             seq = list(examples[i]["input_ids"])
-            lab = list(examples[i].get("labels") or seq)
+            given = examples[i].get("labels")
+            lab = list(seq if given is None else given)
+            if len(lab) != len(seq):
+                raise ValueError(f"example {i}: {len(seq)} input_ids but {len(lab)} labels; they must be as long.")
             ids += seq
             labels += [IGNORE_INDEX] + lab[1:]
             positions += list(range(len(seq)))
@@ -193,22 +213,47 @@ def is_packed(batch) -> bool:
     return batch.get("position_ids") is not None and batch.get("attention_mask") is None
 
 
+def position_ids_problem(model) -> str | None:
+    """Why ``model`` cannot be given packed sequences because of its signature, or None if a run must decide.
+
+    A transformers model whose forward does not name ``position_ids`` (Bloom, ...) never sees them: its
+    ``**kwargs`` go to attention kernels and losses, not to the causal mask, so packed sequences would attend to
+    each other. A plain module with ``**kwargs`` may pass them on; only a run can tell.
+    """
+    from transformers import PreTrainedModel
+
+    parameters = inspect.signature(model.forward).parameters
+    if "position_ids" in parameters:
+        return None
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if takes_kwargs and not isinstance(model, PreTrainedModel):
+        return None
+    return (
+        f"{type(model).__name__}'s forward takes no position_ids, so it cannot tell packed sequences apart: they "
+        "would attend to each other"
+    )
+
+
 @torch.no_grad()
 def check_packing(model, batch, tolerance: float = 1e-4) -> str | None:
     """Run the first packed row both packed and one sequence at a time; None if every sequence's logits match.
 
     A model or attention implementation that lets packed sequences attend to each other would silently train on
-    the wrong context. The comparison is relative to the largest logit, in fp32.
+    the wrong context. A model whose forward takes no ``position_ids`` (Bloom) cannot tell them apart at all; it
+    is refused without a run. The comparison is relative to the largest logit, in fp32.
     """
-    from .objective import get_logits
+    from .objective import get_base_model, get_logits
 
+    problem = position_ids_problem(get_base_model(model))
+    if problem:
+        return problem
     was_training = model.training
     model.eval()
     try:
         positions = batch["position_ids"][:1]
         ids = batch["input_ids"][:1]
         packed = get_logits(model(input_ids=ids, position_ids=positions, use_cache=False)).float()
-        starts = (positions[0] == 0).nonzero().flatten().tolist() + [positions.shape[1]]
+        starts = get_sequence_starts(positions[0]).nonzero().flatten().tolist() + [positions.shape[1]]
         worst = 0.0
         for a, b in zip(starts[:-1], starts[1:], strict=True):
             alone = get_logits(model(input_ids=ids[:, a:b], use_cache=False)).float()

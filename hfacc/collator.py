@@ -22,8 +22,10 @@ class DataCollatorForCausalLM:
         max_length: truncate longer examples to this many tokens (``None``: no truncation here).
 
     Examples keep their ``labels``; an example without labels is trained on every token (``labels = input_ids``).
-    Packed rows (examples with ``position_ids``) get ``position_ids`` and no ``attention_mask``: see
-    :func:`hfacc.batching.pack_examples`.
+    Packed rows (examples with ``position_ids``, or with TRL's ``seq_lengths``: the length of each sequence in the
+    row) get ``position_ids`` that restart per sequence and no ``attention_mask``: see
+    :func:`hfacc.batching.pack_examples`. Their targets never cross a sequence boundary
+    (:func:`hfacc.loss.shift_labels`).
 
     >>> collate = DataCollatorForCausalLM(pad_token_id=0)
     >>> batch = collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9]}])
@@ -66,6 +68,8 @@ class DataCollatorForCausalLM:
             "attention_mask": _pad([[1] * len(x) for x in ids], length, 0),
             "labels": _pad(labels, length, IGNORE_INDEX),
         }
+        if all(e.get("position_ids") is None and e.get("seq_lengths") is not None for e in examples):
+            examples = [{**e, "position_ids": _positions_from_lengths(e, i)} for i, e in enumerate(examples)]
         if all(e.get("position_ids") is not None for e in examples):
             # Packed rows (hfacc.batching.pack_examples): transformers keeps the sequences of a row apart only when
             # it gets position_ids and no attention_mask. The padding becomes one more sequence of its own
@@ -78,6 +82,16 @@ class DataCollatorForCausalLM:
                 ]
             )
         return batch
+
+
+def _positions_from_lengths(example: dict[str, Any], index: int) -> list[int]:
+    lengths = list(example["seq_lengths"])
+    if sum(lengths) != len(example["input_ids"]) or any(n < 0 for n in lengths):
+        raise ValueError(
+            f"example {index} of the micro-batch: seq_lengths {lengths} do not add up to its "
+            f"{len(example['input_ids'])} input_ids."
+        )
+    return [p for n in lengths for p in range(n)]
 
 
 def _pad(rows: Sequence[Sequence[int]], length: int, value: int) -> torch.Tensor:

@@ -59,27 +59,86 @@ class WindowCounts(NamedTuple):
     num_micro_batches: int
 
 
-def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Align causal-LM labels with the positions that predict them.
+def get_sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where a new sequence starts in rows that may hold several (packed) sequences: ``[..., T]`` booleans.
 
-    ``out[..., i] = labels[..., i + 1]`` and ``out[..., -1] = ignore_index``: position i predicts token i + 1, so
-    the first token of a sequence is never a target and the last position predicts nothing. Shifting the labels
-    instead of the logits keeps the logits a view (no copy of a ``[B, T, V]`` tensor).
+    A row's first position starts a sequence, and so does every position whose ``position_id`` is not the previous
+    one plus 1: the rule transformers uses to keep packed sequences apart in attention
+    (``masking_utils.find_packed_sequence_indices``), so hfacc's targets and the model's attention agree on where
+    each sequence begins.
+
+    >>> get_sequence_starts(torch.tensor([[0, 1, 2, 0, 1]]))
+    tensor([[ True, False, False,  True, False]])
+    """
+    starts = torch.ones(position_ids.shape, dtype=torch.bool, device=position_ids.device)
+    starts[..., 1:] = position_ids[..., 1:] != position_ids[..., :-1] + 1
+    return starts
+
+
+def get_sequence_ids(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(ids, n)``: the index of the sequence each position belongs to, counted over the whole ``[B, T]`` batch,
+    and the number n of sequences (:func:`get_sequence_starts` says where each begins).
+
+    >>> get_sequence_ids(torch.tensor([[0, 1, 0], [0, 1, 2]]))
+    (tensor([[0, 0, 1],
+            [2, 2, 2]]), 3)
+    """
+    starts = get_sequence_starts(position_ids)
+    ids = starts.flatten().cumsum(0).view(starts.shape) - 1
+    return ids, int(starts.sum())
+
+
+def shift_labels(
+    labels: torch.Tensor,
+    ignore_index: int = IGNORE_INDEX,
+    *,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Align causal-LM labels with the positions that predict them: the one definition of a *target*.
+
+    ``out[..., i] = labels[..., i + 1]``: position i predicts token i + 1, so the first token of a sequence is never a
+    target and the last position predicts nothing. The shift never crosses a sequence boundary: where position i + 1
+    starts a new sequence (``position_ids`` restart, see :func:`get_sequence_starts`: rows packed with several
+    sequences), ``out[..., i] = ignore_index``, since in the unpacked sequence nothing predicts its first token. And
+    padding (``attention_mask == 0``, 2-D) is never a target nor a predictor: the last real token does not learn to
+    predict the padding after it, and a left-padded sequence's first token is not predicted from the padding before it.
+    So a target is a label != ``ignore_index`` after this shift, however the sequences were laid out (padded right
+    or left, packed, or concatenated into one row): the same sequences always give the same targets. Shifting the
+    labels instead of the logits keeps the logits a view (no copy of a ``[B, T, V]`` tensor).
 
     >>> shift_labels(torch.tensor([[-100, -100, 7, 8]]))
     tensor([[-100,    7,    8, -100]])
+    >>> shift_labels(torch.tensor([[5, 6, 7, 8, 9]]), position_ids=torch.tensor([[0, 1, 2, 0, 1]]))  # two sequences
+    tensor([[   6,    7, -100,    9, -100]])
     """
-    return F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+    out = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
+    no_target = None
+    if position_ids is not None and position_ids.dim() <= 2 and position_ids.shape[-1] == labels.shape[-1]:
+        starts = get_sequence_starts(position_ids.expand(labels.shape))
+        no_target = F.pad(starts[..., 1:], (0, 1), value=True)  # the next position begins another sequence
+    if attention_mask is not None and attention_mask.shape == labels.shape:
+        real = attention_mask.bool()
+        padding_involved = ~(real & F.pad(real[..., 1:], (0, 1), value=False))
+        no_target = padding_involved if no_target is None else no_target | padding_involved
+    return out if no_target is None else out.masked_fill(no_target, ignore_index)
 
 
-def count_targets(labels: torch.Tensor, *, shift: bool, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
-    """Number of targets in ``labels``: entries ``!= ignore_index``, after the causal shift when ``shift``.
+def count_targets(
+    labels: torch.Tensor,
+    *,
+    shift: bool,
+    ignore_index: int = IGNORE_INDEX,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Number of targets in ``labels``: entries ``!= ignore_index``, after :func:`shift_labels` when ``shift``.
 
     >>> count_targets(torch.tensor([[5, -100, 7, 8]]), shift=True)  # 5 is never a target: nothing predicts it
     tensor(2)
     """
     if shift:
-        labels = labels[..., 1:]
+        labels = shift_labels(labels, ignore_index, position_ids=position_ids, attention_mask=attention_mask)
     return (labels != ignore_index).sum()
 
 
@@ -90,13 +149,15 @@ def cross_entropy_sums(
     label_smoothing: float = 0.0,
     ignore_index: int = IGNORE_INDEX,
     per_sequence: bool = False,
+    sequences: tuple[torch.Tensor, int] | None = None,
 ) -> LossSums:
     """Summed cross-entropy over the targets of aligned ``logits`` ``[..., C]`` and ``labels`` ``[...]``.
 
     ``loss = sum_{t : y_t != ignore_index} CE(logits_t, y_t)`` with, for label smoothing eps over C classes,
     ``CE = (1 - eps) * (-log p_y) + (eps / C) * sum_c (-log p_c)`` (the definition of ``torch.nn.CrossEntropyLoss``
     and of transformers' ``LabelSmoother``). Only target rows are gathered and upcast to fp32, so prompt and padding
-    positions cost nothing. With ``per_sequence`` the sums are kept per leading index (``[B]``).
+    positions cost nothing. With ``per_sequence`` the sums are kept per leading index (``[B]``), or per sequence
+    when ``sequences`` gives each position's sequence and their number (:func:`get_sequence_ids`, packed rows).
 
     >>> sums = cross_entropy_sums(torch.zeros(1, 3, 4), torch.tensor([[1, -100, 2]]))
     >>> round(sums.loss.item(), 4), sums.count.item()  # two targets, each -log(1/4)
@@ -109,8 +170,7 @@ def cross_entropy_sums(
     correct = (target_logits.detach().argmax(dim=-1) == targets).long()
     if not per_sequence:
         return LossSums(ce.sum(), mask.sum(), correct.sum())
-    rows = _row_index(mask)
-    return _per_row(ce, correct, rows, mask.shape[0])
+    return per_sequence_sums(ce, correct, mask, sequences)
 
 
 def causal_lm_sums(logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> LossSums:
@@ -170,9 +230,28 @@ def normalize_window_loss(
     raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
 
 
-def per_sequence_sums(values: torch.Tensor, correct: torch.Tensor, mask: torch.Tensor) -> LossSums:
-    """Per-row :class:`LossSums` from per-target ``values``/``correct`` of the True positions of ``mask`` ``[B, ...]``."""
-    return _per_row(values, correct.long(), _row_index(mask), mask.shape[0])
+def per_sequence_sums(
+    values: torch.Tensor,
+    correct: torch.Tensor,
+    mask: torch.Tensor,
+    sequences: tuple[torch.Tensor, int] | None = None,
+) -> LossSums:
+    """Per-sequence :class:`LossSums` from per-target ``values``/``correct`` of the True positions of ``mask``.
+
+    A sequence is a row of ``mask`` ``[B, ...]``, or, with ``sequences = (ids, n)`` (:func:`get_sequence_ids`), each
+    of the n sequences of rows that hold several: ``normalization="sequence"`` weighs sequences, not rows.
+    """
+    if sequences is None:
+        return _per_row(values, correct.long(), _row_index(mask), mask.shape[0])
+    ids, n = sequences
+    return _per_row(values, correct.long(), ids.expand(mask.shape)[mask], n)
+
+
+def sums_per_row(sums: LossSums, position_ids: torch.Tensor) -> LossSums:
+    """Per-sequence sums of packed rows ``[B, T]`` (see :func:`get_sequence_ids`) added up per row: ``[B]``."""
+    per_row = get_sequence_starts(position_ids).sum(-1)
+    rows = torch.repeat_interleave(torch.arange(len(per_row), device=per_row.device), per_row)
+    return LossSums(*(x.new_zeros(len(per_row)).index_add(0, rows, x) for x in sums))
 
 
 def _row_index(mask: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from .loss import (
     count_targets,
     cross_entropy_sums,
     fused_linear_cross_entropy_sums,
+    get_sequence_ids,
     normalize_window_loss,
     per_sequence_sums,
     shift_labels,
@@ -39,8 +40,9 @@ from .loss import (
 
 logger = logging.getLogger(__name__)
 
-# Batch keys that describe targets or hfacc's bookkeeping, never model inputs.
-NON_MODEL_KEYS = ("labels", "shift_labels")
+# Batch keys that describe targets or hfacc's bookkeeping, never model inputs. `sequence_ids` / `num_sequences`: which
+# of the batch's sequences each position belongs to (-1: none), where a layout put several in a row (padding-free).
+NON_MODEL_KEYS = ("labels", "shift_labels", "sequence_ids", "num_sequences")
 
 
 class Objective:
@@ -90,9 +92,12 @@ class Objective:
 class CausalLMObjective(Objective):
     """Next-token prediction: ``logits[:, i]`` is scored against ``labels[:, i + 1]`` (labels != -100).
 
-    A batch may carry ``shift_labels`` (already aligned, e.g. from a padding-free collator); they are used as is.
+    Targets follow :func:`hfacc.loss.shift_labels`, the one definition: the shift never crosses a sequence boundary
+    (``position_ids`` that restart) and padding is never a target. A batch may carry ``shift_labels`` (already
+    aligned, e.g. from a padding-free collator); they are used as is, except at padding positions.
     Packed rows (``position_ids`` that restart, no ``attention_mask``) run with ``use_cache=False``: with a cache,
-    transformers does not keep packed sequences apart.
+    transformers does not keep packed sequences apart. Their per-sequence sums (``normalization="sequence"``) are
+    per packed sequence, not per row.
 
     With ``fused=True`` the output projection is swapped, for the length of one forward, for a module that computes
     the loss sums from the final hidden states in chunks (:func:`hfacc.loss.fused_linear_cross_entropy_sums`), so
@@ -115,22 +120,32 @@ class CausalLMObjective(Objective):
 
     def count(self, batch):
         targets = self._targets(batch) != IGNORE_INDEX
-        return torch.stack([targets.sum(), targets.any(-1).sum()])
+        sequences = get_batch_sequences(batch, targets.shape)
+        if sequences is None:
+            return torch.stack([targets.sum(), targets.any(-1).sum()])
+        ids, n = sequences  # rows holding several sequences: count sequences, not rows
+        hit = torch.zeros(n, dtype=torch.long, device=targets.device).index_fill_(0, ids[targets], 1)
+        return torch.stack([targets.sum(), hit.sum()])
 
     def __call__(self, model, batch, per_sequence=False):
         inputs = model_inputs(batch)
-        if inputs.get("position_ids") is not None and inputs.get("attention_mask") is None:
+        if packed_position_ids(inputs) is not None:
             inputs["use_cache"] = False
         targets = self._targets(batch)
+        sequences = get_batch_sequences(batch, targets.shape) if per_sequence else None
         if self.fused and (model.training or self.fused_in_eval) and not (per_sequence and torch.is_grad_enabled()):
-            return self._fused(model, inputs, targets, per_sequence)
+            return self._fused(model, inputs, targets, per_sequence, sequences)
         outputs = model(**inputs)
         sums = cross_entropy_sums(
-            get_logits(outputs), targets, label_smoothing=self.label_smoothing, per_sequence=per_sequence
+            get_logits(outputs),
+            targets,
+            label_smoothing=self.label_smoothing,
+            per_sequence=per_sequence,
+            sequences=sequences,
         )
         return outputs, sums
 
-    def _fused(self, model, inputs, targets, per_sequence):
+    def _fused(self, model, inputs, targets, per_sequence, sequences=None):
         head = _FusedOutputHead(
             get_base_model(model).get_output_embeddings(), targets, self.chunk_size, self.label_smoothing
         )
@@ -138,19 +153,47 @@ class CausalLMObjective(Objective):
             outputs = model(**inputs)
         sums, per_target, correct = head.result
         if per_sequence:  # evaluation: per-sequence sums for the exact cross-rank eval metrics, no gradient needed
-            sums = per_sequence_sums(per_target, correct, targets != IGNORE_INDEX)
+            sums = per_sequence_sums(per_target, correct, targets != IGNORE_INDEX, sequences)
         return outputs, sums
 
     def _targets(self, batch):
         n = self.num_virtual_tokens
+        mask = batch.get("attention_mask")
+        if n and torch.is_tensor(mask):
+            mask = F.pad(mask, (n, 0), value=1)  # PEFT's forward attends to the virtual tokens: so does the shift
         if batch.get("shift_labels") is not None:
-            return F.pad(batch["shift_labels"], (n, 0), value=IGNORE_INDEX) if n else batch["shift_labels"]
-        labels = batch["labels"]
+            targets = F.pad(batch["shift_labels"], (n, 0), value=IGNORE_INDEX) if n else batch["shift_labels"]
+            if torch.is_tensor(mask) and mask.shape == targets.shape:
+                targets = targets.masked_fill(mask == 0, IGNORE_INDEX)  # padding predicts nothing
+            return targets
+        labels, positions = batch["labels"], batch.get("position_ids")
         if n:
             # As PEFT's own loss: the virtual positions get label -100 before the shift, so the last virtual token
             # predicts the first real one (a target when its label is not -100) and the others predict nothing.
-            labels = F.pad(labels, (n, 0), value=IGNORE_INDEX)
-        return shift_labels(labels)
+            # Prompt tuning never takes padding-free or packed rows (padding_free_problem), so no position_ids.
+            labels, positions = F.pad(labels, (n, 0), value=IGNORE_INDEX), None
+        return shift_labels(labels, position_ids=positions, attention_mask=mask)
+
+
+def get_batch_sequences(batch: Mapping[str, Any], shape: torch.Size) -> tuple[torch.Tensor, int] | None:
+    """``(ids, n)``: which of the batch's n sequences each position belongs to, where rows hold several; None when
+    every row is one sequence. From hfacc's ``sequence_ids`` when a layout set them (padding-free: the original
+    rows), else from the restarts of packed rows' ``position_ids`` (:func:`hfacc.loss.get_sequence_ids`)."""
+    if batch.get("sequence_ids") is not None:
+        return batch["sequence_ids"], batch["num_sequences"]
+    positions = packed_position_ids(batch)
+    return None if positions is None else get_sequence_ids(positions.expand(shape))
+
+
+def packed_position_ids(batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """The ``position_ids`` of a batch of packed rows (given, 2-D, and no ``attention_mask``), else None.
+
+    This is when transformers (5.x) looks for sequences inside a row and keeps them apart in attention.
+    """
+    positions = batch.get("position_ids")
+    if torch.is_tensor(positions) and positions.dim() == 2 and batch.get("attention_mask") is None:
+        return positions
+    return None
 
 
 class _FusedOutputHead(nn.Module):

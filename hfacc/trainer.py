@@ -33,7 +33,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .batching import TokenBudgetBatchSampler, check_packing, is_packed
 from .checkpoint import mark_checkpoint_complete, resolve_checkpoint, rotate_checkpoints
-from .loss import NORMALIZATIONS, LossSums, WindowCounts
+from .loss import IGNORE_INDEX, NORMALIZATIONS, LossSums, WindowCounts, sums_per_row
 from .objective import (
     OBJECTIVES,
     CausalLMObjective,
@@ -44,6 +44,7 @@ from .objective import (
     compute_micro_batch_loss,
     get_objective,
 )
+from .padding_free import check_padding_free, padding_free_problem, remove_padding, uses_one_row
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,15 @@ class TokenWeightedArguments(TrainingArguments):
             "help": "Causal LMs: compute the output projection and cross-entropy together in chunks over the "
             "target positions only, so the full logits never exist (less memory, faster; exact). Models that "
             "post-process their logits fall back to the plain path by themselves."
+        },
+    )
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Causal LMs: lay the real tokens of every micro-batch end to end in one row with position_ids "
+            "that restart per sequence, so no layer computes on padding, whatever collator padded it (right or "
+            "left). Same sequences, targets and normalization: exact. Checked once per model; models whose "
+            "attention cannot keep packed sequences apart fall back to padded batches (said once). False: off."
         },
     )
     loss_chunk_size: int = field(
@@ -230,6 +240,8 @@ class TokenWeightedTrainer(Trainer):
         self._repeats_said = False
         self._eval_needs_logits = True  # evaluation_loop says when predictions are thrown away
         self._packing_checked = False
+        self.padding_free = False  # decided with the objective, on the first micro-batch
+        self.padding_free_one_row = True  # one row for variable-length attention kernels, else rows
         self._window_left = 0
         self.meter = LossMeter(self.args.device)
         if getattr(self.args, "audit_every_n_steps", 0):
@@ -288,6 +300,8 @@ class TokenWeightedTrainer(Trainer):
         self.window_batches = [b for j, b in enumerate(batch_samples) if j not in self._repeated_batches]
         if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
             self._check_packing(batch_samples[0])
+        if self.window is None:  # the first window
+            warn_about_padding_labels(self.window_batches)
         self.window = self.count_window(self.window_batches, device)
         self._window_left = len(batch_samples)
         self.meter.start_window()
@@ -330,8 +344,9 @@ class TokenWeightedTrainer(Trainer):
         problem = check_packing(self.model, self._prepare_inputs(batch))
         if problem:
             raise RuntimeError(
-                f"hfacc: {problem}. Turn packing off (recipe: --packing false) or use an attention implementation "
-                "that supports packed sequences (attn_implementation='sdpa' or 'flash_attention_2')."
+                f"hfacc: {problem}. Turn packing off (recipe: --packing false), or use a model and attention "
+                "implementation that keep packed sequences apart (attn_implementation='sdpa' or "
+                "'flash_attention_2' on a model whose forward takes position_ids)."
             )
         logger.info("hfacc: packed rows checked: each sequence's logits match its unpacked run.")
 
@@ -353,13 +368,44 @@ class TokenWeightedTrainer(Trainer):
             )
             if self.compute_loss_func is not None:
                 # The user's loss, with hfacc's count of the targets: exact if it divides by num_items_in_batch.
+                # Padded micro-batches: the user's function shifts the labels itself, across any packed boundary.
                 self.objective = LossFunctionObjective(self.compute_loss_func, counter=self.objective)
-            elif isinstance(self.objective, CausalLMObjective):
+            else:
+                self._setup_padding_free(self.objective, batch)
+            if isinstance(self.objective, CausalLMObjective):
                 self._setup_fused_loss(self.objective, batch)
             logger.info("hfacc: objective %s, normalization %r", self.objective, self.normalization)
             if isinstance(self.objective, ModelLossObjective) and self.normalization != "micro_batch":
                 logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
         return self.objective
+
+    def _setup_padding_free(self, objective: Objective, batch: Mapping[str, Any]) -> None:
+        if not getattr(self.args, "padding_free", True):
+            return
+        problem = padding_free_problem(self.model, objective)
+        if problem is None:
+            self.padding_free_one_row = uses_one_row(self.model)
+            problem = check_padding_free(self.model, self._prepare_inputs(batch), self.padding_free_one_row)
+            self.padding_free = all_ranks_agree(problem is None, self.accelerator)
+        if self.padding_free:
+            logger.info(
+                "hfacc: padding-free micro-batches (%s): checked, logits match the padded run.",
+                "one row" if self.padding_free_one_row else "packed in rows as wide as the longest sequence",
+            )
+        elif isinstance(objective, CausalLMObjective):
+            logger.warning(
+                "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
+                problem or "another rank could not go padding-free",
+            )
+        else:
+            logger.info("hfacc: padded micro-batches: %s.", problem)
+
+    def _set_signature_columns_if_needed(self) -> None:
+        # hfacc reads sequence boundaries from these even when the model's forward does not take them (Bloom): a
+        # packed dataset whose position_ids were dropped as unused would silently let its sequences attend to each
+        # other. The packing check then refuses such a model.
+        super()._set_signature_columns_if_needed()
+        self._signature_columns += [c for c in ("position_ids", "seq_lengths") if c not in self._signature_columns]
 
     def _setup_fused_loss(self, objective: CausalLMObjective, batch: Mapping[str, Any]) -> None:
         objective.chunk_size = getattr(self.args, "loss_chunk_size", 0)
@@ -385,6 +431,12 @@ class TokenWeightedTrainer(Trainer):
         output starts with the loss (the model ran without labels, so hfacc puts it there), a dict has no "loss".
         """
         objective = self.get_objective(inputs)
+        packed = is_packed(inputs)
+        if not model.training and isinstance(objective, CausalLMObjective):
+            # The fused path returns loss sums where the logits would be: only when nobody reads the logits.
+            objective.fused_in_eval = not self._eval_needs_logits
+        if self.padding_free and (model.training or objective.fused_in_eval):  # eval: unless logits are wanted
+            inputs = remove_padding(inputs, self.padding_free_one_row) or inputs
         if model.training:
             window, repeated = self._take_window_slot(inputs)
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
@@ -395,10 +447,7 @@ class TokenWeightedTrainer(Trainer):
                 loss, sums = loss * 0, LossSums(*(torch.zeros_like(t) for t in sums))
             self.meter.add_micro_batch(sums)
         else:
-            if isinstance(objective, CausalLMObjective):
-                # The fused path returns loss sums where the logits would be: only when nobody reads the logits.
-                objective.fused_in_eval = not self._eval_needs_logits
-            outputs, sums = self._evaluation_sums(objective, model, inputs)
+            outputs, sums = self._evaluation_sums(objective, model, inputs, packed)
             loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
         if not return_outputs:
             return loss
@@ -409,10 +458,13 @@ class TokenWeightedTrainer(Trainer):
                 outputs = (loss, *outputs)
         return loss, outputs
 
-    def _evaluation_sums(self, objective: Objective, model, inputs) -> tuple[Any, LossSums]:
+    def _evaluation_sums(self, objective: Objective, model, inputs, packed: bool) -> tuple[Any, LossSums]:
         """Run one evaluation batch; add its sums, without the examples accelerate repeated, to the meter."""
         if objective.sums_per_sequence:
             outputs, sums = objective(model, inputs, per_sequence=True)
+            if packed:
+                # One value per row, as gather_for_metrics expects: it drops the rows repeated across ranks.
+                sums = sums_per_row(sums, inputs["position_ids"])
             self.meter.add_eval(sums, self.accelerator)  # gather_for_metrics drops the repeated rows
             return outputs, sums
         outputs, sums = objective(model, inputs)
@@ -524,6 +576,25 @@ class TokenWeightedTrainer(Trainer):
 
     def _has_accuracy(self) -> bool:
         return self.objective is not None and self.objective.has_accuracy
+
+
+def warn_about_padding_labels(batches: list[Mapping[str, Any]]) -> None:
+    """Say once when a collator left labels on padding: padding is never a target (:func:`hfacc.loss.shift_labels`).
+
+    Stock ``Trainer`` would train them (the last token learns to predict the pad, pads predict pads); hfacc does not,
+    padded or padding-free, so the two give the same update.
+    """
+    found = 0
+    for batch in batches:
+        labels, mask = batch.get("labels"), batch.get("attention_mask")
+        if torch.is_tensor(labels) and torch.is_tensor(mask) and mask.shape == labels.shape:
+            found += int(((labels != IGNORE_INDEX) & (mask == 0)).sum())
+    if found:
+        logger.warning(
+            "hfacc: %d labels at padding positions (attention_mask 0) are not -100 in the first window; padding is "
+            "never a target, so they are ignored. To train an end-of-sequence token, put it in the examples.",
+            found,
+        )
 
 
 class LossMeter:

@@ -8,6 +8,8 @@ import torch
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
 from hfacc.batching import TokenBudgetBatchSampler, check_packing, pack_examples
+from hfacc.loss import shift_labels
+from hfacc.objective import CausalLMObjective
 from tests.helpers import VOCAB, full_batch_causal_lm, make_examples, relative_error, run_trainer, train_args
 
 COLLATE = DataCollatorForCausalLM(pad_token_id=0)
@@ -129,3 +131,123 @@ def test_random_length_groups_vary_composition_but_keep_the_count():
     assert compositions[0] != compositions[1]  # groups are redrawn every epoch
     fixed = TokenBudgetBatchSampler(lengths, max_tokens=320, seed=3)
     assert fixed.padding_fraction < sampler.padding_fraction < 0.1
+
+
+# ---- rows packed by the user, sequence normalization, models without position_ids -----------------------------------
+
+
+def user_packed_rows(examples, length):
+    """Rows as a user packs them (TRL's BFD, their own code): every label kept, position_ids restarting."""
+    rows = []
+    for r in pack_examples(examples, length):
+        labels = [x if p else x_id for x, x_id, p in zip(r["labels"], r["input_ids"], r["position_ids"], strict=True)]
+        rows.append({**r, "labels": labels})
+    return rows
+
+
+def test_user_packed_rows_never_train_across_a_sequence_boundary(tmp_path):
+    """Issue 16 item 7: each sequence's first token was predicted from the previous sequence (error 0.18)."""
+    examples = make_examples(12, seed=36)
+    model = build_tiny_llama(vocab_size=VOCAB)
+    reference, token_loss, _ = full_batch_causal_lm(model, examples)
+    rows = user_packed_rows(examples, 128)
+    assert any(r["labels"][j] != -100 for r in rows for j, p in enumerate(r["position_ids"]) if p == 0 and j)
+    trainer, capture = run_trainer(TokenWeightedTrainer, model, rows, train_args(tmp_path, 1, len(rows)), COLLATE)
+    assert relative_error(capture.grads[0], reference) <= 1e-6
+    assert trainer.state.log_history[0]["num_targets"] == sum(
+        sum(y != -100 for y in e["labels"][1:]) for e in examples
+    )
+    assert trainer.state.log_history[0]["loss"] == pytest.approx(token_loss, rel=1e-5)
+
+
+def test_packed_rows_with_sequence_normalization_weigh_sequences(tmp_path):
+    """Issue 17 item 6: packed rows were weighed as rows (gradient error 0.58 against the unpacked sequences)."""
+    examples = make_examples(12, seed=37)
+    model = build_tiny_llama(vocab_size=VOCAB)
+    reference, _, _ = full_batch_causal_lm(model, examples, mode="sequence")
+    rows = pack_examples(examples, 128)
+    assert len(rows) < len(examples)
+    args = train_args(tmp_path, 1, len(rows), args_class=TokenWeightedArguments, normalization="sequence")
+    _, capture = run_trainer(TokenWeightedTrainer, model, rows, args, COLLATE)
+    assert relative_error(capture.grads[0], reference) <= 1e-6
+
+
+def test_packed_evaluation_is_token_weighted(tmp_path):
+    from datasets import Dataset
+
+    examples = make_examples(10, seed=38)
+    model = build_tiny_llama(vocab_size=VOCAB)
+    _, token_loss, accuracy = full_batch_causal_lm(model, examples)
+    args = train_args(tmp_path, 2, 1, args_class=TokenWeightedArguments, per_device_eval_batch_size=2)
+    trainer, _ = run_trainer(TokenWeightedTrainer, model, examples[:2], args, COLLATE)
+    metrics = trainer.evaluate(Dataset.from_list(user_packed_rows(examples, 96)))
+    assert metrics["eval_loss"] == pytest.approx(token_loss, rel=1e-5)
+    assert metrics["eval_token_accuracy"] == pytest.approx(accuracy, rel=1e-5)
+
+
+def tiny_bloom():
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(0)
+    return BloomForCausalLM(BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4))
+
+
+def test_packing_a_model_without_position_ids_is_refused(tmp_path):
+    """Issue 17 item 7: Bloom's forward takes no position_ids; they were dropped as an unused column, the batch no
+    longer looked packed, and the packed sequences attended to each other (gradient error 7e-3)."""
+    rows = pack_examples(make_examples(8, seed=39), 128)
+    model = tiny_bloom()
+    with torch.no_grad():  # the leak the refusal prevents: a packed sequence sees the one before it
+        batch = COLLATE(rows[:1])
+        packed = model(input_ids=batch["input_ids"]).logits
+        second = batch["position_ids"][0].tolist().index(0, 1)
+        alone = model(input_ids=batch["input_ids"][:, second:]).logits
+        assert (packed[:, second:] - alone).abs().max() > 1e-3
+    assert "takes no position_ids" in check_packing(model, batch)
+    with pytest.raises(RuntimeError, match="takes no position_ids.*Turn packing off"):
+        run_trainer(TokenWeightedTrainer, model, rows, train_args(tmp_path, 1, 1), COLLATE)
+
+
+# ---- TRL's expectations for packing (tests/test_data_utils.py TestPackDatasetBfd, tests/test_sft_trainer.py
+# ---- TestDataCollatorForLanguageModeling), ported: the same rows, and the targets their labels give ------------------
+
+
+def test_bfd_packing_matches_trl():
+    # TestPackDatasetBfd.test_with_dataset and test_with_non_power_of_2
+    rows = pack_examples([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7]}, {"input_ids": [8]}], 4)
+    assert [r["input_ids"] for r in rows] == [[4, 5, 6, 7], [1, 2, 3, 8]]
+    assert [r["position_ids"] for r in rows] == [[0, 1, 2, 3], [0, 1, 2, 0]]  # TRL: seq_lengths [[4], [3, 1]]
+    seqs = [[1, 2, 3, 4, 5], [6], [7, 8, 9, 10], [11, 12, 13]]
+    rows = pack_examples([{"input_ids": x} for x in seqs], 5)
+    assert [r["input_ids"] for r in rows] == [[1, 2, 3, 4, 5], [7, 8, 9, 10, 6], [11, 12, 13]]
+
+
+def test_empty_examples_are_left_out_of_packed_rows():
+    # TestPackDatasetBfd.test_with_empty_sequences: empty examples vanish. hfacc gave them a stray label (labels
+    # longer than input_ids).
+    seqs = [[1, 2], [], [3, 4, 5], [], [6]]
+    rows = pack_examples([{"input_ids": x, "labels": x} for x in seqs], 4)
+    assert [r["input_ids"] for r in rows] == [[3, 4, 5, 6], [1, 2]]
+    assert [r["position_ids"] for r in rows] == [[0, 1, 2, 0], [0, 1]]  # TRL: seq_lengths [[3, 1], [2]]
+    assert all(len(r["labels"]) == len(r["input_ids"]) for r in rows)
+    with pytest.raises(ValueError, match="2 input_ids but 1 labels"):
+        pack_examples([{"input_ids": [1, 2], "labels": [1]}], 4)
+
+
+def test_pre_packed_rows_give_trl_padding_free_targets():
+    """TRL's padding-free collator marks each sequence's first label -100 before its model shifts the labels; hfacc
+    takes the rows with every label kept and gets the same targets from the restarting position_ids."""
+    # TestDataCollatorForLanguageModeling.test_packing: rows with seq_lengths [3, 3] and [4, 1], labels = input_ids.
+    examples = [
+        {"input_ids": [1, 2, 3, 4, 5, 6], "seq_lengths": [3, 3], "labels": [1, 2, 3, 4, 5, 6]},
+        {"input_ids": [7, 8, 9, 10, 11], "seq_lengths": [4, 1], "labels": [7, 8, 9, 10, 11]},
+    ]
+    trl_labels = torch.tensor([[-100, 2, 3, -100, 5, 6, -100, 8, 9, 10, -100]])  # TRL's expected, one row
+    batch = COLLATE(examples)
+    assert "attention_mask" not in batch
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 0, 0]]  # padding: its own sequence
+    ours = CausalLMObjective._targets(batch)
+    ours = torch.cat([ours[0], ours[1, :5]])  # the real tokens of both rows, as TRL lays them in one row
+    assert ours.tolist() == shift_labels(trl_labels)[0].tolist()
+    with pytest.raises(ValueError, match="do not add up"):
+        COLLATE([{"input_ids": [1, 2, 3], "seq_lengths": [2]}])

@@ -11,9 +11,11 @@ from hfacc.loss import (
     causal_lm_sums,
     count_targets,
     cross_entropy_sums,
+    get_sequence_ids,
     normalize_window_loss,
     shift_labels,
     squared_error_sums,
+    sums_per_row,
 )
 
 
@@ -27,6 +29,56 @@ def test_count_targets_excludes_position_zero_after_the_shift():
     # Row 0: 7 and 8 are predicted (5 is never a target). Row 1: only the second 9.
     assert count_targets(labels, shift=True).item() == 3
     assert count_targets(labels, shift=False).item() == 5
+
+
+def test_the_shift_never_crosses_a_sequence_boundary():
+    # Two sequences packed in one row (positions restart): nothing predicts the second one's first token, 7.
+    labels = torch.tensor([[5, 6, 7, 8, 9]])
+    positions = torch.tensor([[0, 1, 0, 1, 2]])
+    assert shift_labels(labels, position_ids=positions).tolist() == [[6, -100, 8, 9, -100]]
+    # transformers' rule (masking_utils.find_packed_sequence_indices): any step that is not +1 starts a sequence.
+    assert shift_labels(labels, position_ids=torch.tensor([[3, 4, 5, 9, 10]])).tolist() == [[6, 7, -100, 9, -100]]
+    assert count_targets(labels, shift=True, position_ids=positions).item() == 3
+    # Padding is never a target nor a predictor: not the pad after the last token (even when its label is not
+    # -100), not the first token of a left-padded row.
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1]])
+    labels = torch.tensor([[5, 6, 7, 0, 0], [0, 0, 7, 8, 9]])
+    assert shift_labels(labels, attention_mask=mask).tolist() == [[6, 7, -100, -100, -100], [-100, -100, 8, 9, -100]]
+
+
+def test_targets_are_the_same_however_the_sequences_are_laid_out():
+    """Right-padded, left-padded and concatenated into one row: the same sequences have the same targets."""
+    seqs = [[-100, 4, 5], [7, 8, 9, 10], [11]]
+    width = max(map(len, seqs))
+
+    def layout(left):
+        rows = [[0] * (width - len(x)) + x if left else x + [0] * (width - len(x)) for x in seqs]
+        mask = [[0] * (width - len(x)) + [1] * len(x) if left else [1] * len(x) + [0] * (width - len(x)) for x in seqs]
+        targets = shift_labels(torch.tensor(rows), attention_mask=torch.tensor(mask))
+        return targets[torch.tensor(mask).bool()].tolist()
+
+    row = torch.tensor([[y for x in seqs for y in x]])
+    positions = torch.tensor([[p for x in seqs for p in range(len(x))]])
+    packed = shift_labels(row, position_ids=positions)[0].tolist()
+    assert layout(left=False) == layout(left=True) == packed == [4, 5, -100, 8, 9, 10, -100, -100]
+
+
+def test_per_sequence_sums_of_packed_rows_count_sequences_not_rows():
+    torch.manual_seed(2)
+    logits = torch.randn(2, 5, 7)
+    labels = torch.randint(0, 7, (2, 5))
+    positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]])
+    ids, n = get_sequence_ids(positions)
+    assert n == 3 and ids.tolist() == [[0, 0, 0, 1, 1], [2, 2, 2, 2, 2]]
+    targets = shift_labels(labels, position_ids=positions)
+    per = cross_entropy_sums(logits, targets, per_sequence=True, sequences=(ids, n))
+    assert per.count.tolist() == [2, 1, 4]
+    first_alone = cross_entropy_sums(logits[:1, :3], shift_labels(labels[:1, :3]))
+    torch.testing.assert_close(per.loss[0], first_alone.loss)
+    rows = sums_per_row(per, positions)  # evaluation gathers one value per row
+    total = cross_entropy_sums(logits, targets, per_sequence=True)
+    torch.testing.assert_close(rows.loss, total.loss)
+    assert rows.count.tolist() == total.count.tolist() == [3, 4]
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
