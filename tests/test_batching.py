@@ -246,7 +246,7 @@ def test_pre_packed_rows_give_trl_padding_free_targets():
     batch = COLLATE(examples)
     assert "attention_mask" not in batch
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 0, 0]]  # padding: its own sequence
-    ours = CausalLMObjective._targets(batch)
+    ours = CausalLMObjective()._targets(batch)
     ours = torch.cat([ours[0], ours[1, :5]])  # the real tokens of both rows, as TRL lays them in one row
     assert ours.tolist() == shift_labels(trl_labels)[0].tolist()
     with pytest.raises(ValueError, match="do not add up"):
