@@ -315,9 +315,11 @@ class TokenWeightedTrainer(Trainer):
             return
         if self.normalization == "sequence":
             problem = "normalization='sequence' weighs targets unequally"
-        elif self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            problem = "parameters are sharded (FSDP/DeepSpeed)"
+        elif self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
+            problem = "FSDP v1 flattens the parameters (FSDP2, fsdp_version: 2, keeps the output projection whole)"
         else:
+            # DDP, DeepSpeed ZeRO-1/2 (whole parameters), FSDP2 and ZeRO-3: the engine gathers a sharded output
+            # projection for the head's forward, inside which the fused loss runs (objective._FusedOutputHead).
             problem = check_fused_loss(objective, self.model, self._prepare_inputs(batch))
         objective.fused = all_ranks_agree(problem is None, self.accelerator)
         if objective.fused:
