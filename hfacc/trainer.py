@@ -338,6 +338,8 @@ class TokenWeightedTrainer(Trainer):
                 objective, model, inputs, window, normalization=self.normalization, world_size=world
             )
             self.meter.add_micro_batch(sums)
+            if self.is_deepspeed_enabled:
+                loss = mark_for_deepspeed_skip(loss, self.skip_nonfinite_steps, skip=window.num_targets == 0)
         else:
             outputs, sums = objective(model, inputs, per_sequence=True)
             loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
@@ -513,6 +515,14 @@ class _WindowGuard(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.meter.reset_run()
+        if self.trainer.is_deepspeed_enabled and self.trainer.skip_nonfinite_steps:
+            problem = deepspeed_overflow_problem(self.trainer.model_wrapped)
+            if problem:
+                raise ValueError(
+                    f"hfacc: skip_nonfinite_steps=True needs DeepSpeed to skip a step with inf/NaN gradients (its "
+                    f"optimizer step runs inside the last micro-batch's backward, before hfacc can act), but {problem}. "
+                    "Change the DeepSpeed config as said, or pass skip_nonfinite_steps=False to let such steps through."
+                )
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         trainer, meter, window = self.trainer, self.trainer.meter, self.trainer.window
@@ -560,6 +570,48 @@ class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps had a non-finite loss or gradient."""
 
 
+def mark_for_deepspeed_skip(loss: torch.Tensor, skip_if_nonfinite: bool, skip: bool = False) -> torch.Tensor:
+    """``loss``, made to give NaN gradients when its window's step must be skipped, for DeepSpeed to skip it.
+
+    Under DeepSpeed the optimizer step runs inside the last micro-batch's backward (accelerate's engine wrapper), so
+    no callback can drop the gradients before it. DeepSpeed skips a step whose gradients hold inf/NaN and zeroes them
+    (its overflow check, the one fp16 loss scaling relies on), so a window to skip is turned into such a window: its
+    loss is multiplied by NaN (``skip``: a window without targets) or, with ``skip_if_nonfinite``, by NaN when the
+    loss is not finite (an inf loss can have finite gradients). Otherwise the factor is exactly 1.0: bit for bit the
+    same gradient. No host sync: the factor is chosen on the device.
+    """
+    if skip:
+        return loss * float("nan")
+    if not skip_if_nonfinite:
+        return loss
+    ok = torch.isfinite(loss.detach())
+    return loss * torch.where(ok, torch.ones_like(loss), torch.full_like(loss, float("nan")))
+
+
+def deepspeed_overflow_problem(engine: Any) -> str | None:
+    """Why the DeepSpeed ``engine`` would apply a step with inf/NaN gradients instead of skipping it, or None.
+
+    DeepSpeed 0.19: ZeRO-3 always checks the gradient norm; ZeRO-1/2 check when ``bf16.check_grad_overflow`` (the
+    default) or, outside bf16, when ``zero_optimization.compute_grad_norm`` (the default) is on; fp16 always checks.
+    An optimizer of unknown kind is given the benefit of the doubt, and ``_drop_gradients`` still catches a step that
+    was not skipped.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None or engine.zero_optimization_stage() >= 3:
+        return None
+    if hasattr(optimizer, "check_grad_overflow"):  # DeepSpeedZeroOptimizer (ZeRO-1/2)
+        by_norm = getattr(optimizer, "compute_grad_norm", True) and optimizer.dtype != torch.bfloat16
+        if optimizer.check_grad_overflow or by_norm:
+            return None
+        return (
+            "its ZeRO optimizer checks no gradient for inf/NaN (set bf16.check_grad_overflow: true, or "
+            "zero_optimization.compute_grad_norm: true)"
+        )
+    if not hasattr(optimizer, "overflow"):  # a plain torch optimizer: no ZeRO, no fp16/bf16 wrapper
+        return f"its optimizer ({type(optimizer).__name__}) does not check gradients for inf/NaN; use ZeRO stage 1-3"
+    return None
+
+
 def all_ranks_agree(flag: bool, accelerator) -> bool:
     """True only if ``flag`` is True on every rank (one collective), so that all ranks take the same path."""
     if accelerator.num_processes == 1:
@@ -570,6 +622,8 @@ def all_ranks_agree(flag: bool, accelerator) -> bool:
 
 
 def _window_is_finite(trainer: TokenWeightedTrainer, meter: LossMeter) -> bool:
+    if trainer.is_deepspeed_enabled and trainer.optimizer.step_was_skipped:
+        return False  # DeepSpeed found inf/NaN in the gradients (its flag is already agreed over the ranks)
     grads = [p.grad for group in trainer.optimizer.param_groups for p in group["params"] if p.grad is not None]
     total = meter.staged[0].float()
     if grads:
@@ -580,7 +634,14 @@ def _window_is_finite(trainer: TokenWeightedTrainer, meter: LossMeter) -> bool:
 
 def _drop_gradients(trainer: TokenWeightedTrainer) -> None:
     if trainer.accelerator.distributed_type == DistributedType.DEEPSPEED:
-        logger.warning("hfacc: under DeepSpeed a step cannot be skipped from outside the engine; it is taken.")
+        # The step already ran, inside the last backward. The window was made to overflow (mark_for_deepspeed_skip),
+        # so DeepSpeed's own check must have skipped it and zeroed the gradients; if it did not, say so loudly.
+        if not trainer.optimizer.step_was_skipped:
+            raise NonFiniteLossError(
+                "hfacc: DeepSpeed applied the update of a window that had to be skipped (no targets, or an inf/NaN "
+                "loss): its overflow check is off. Enable it (bf16.check_grad_overflow: true, or "
+                "zero_optimization.compute_grad_norm: true) or pass skip_nonfinite_steps=False."
+            )
         return
     params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     if getattr(trainer.accelerator, "scaler", None) is not None:
