@@ -206,6 +206,14 @@ class TokenWeightedTrainer(Trainer):
                 f"{self.accelerator.num_processes}), so every process would train its own copy. On a machine without "
                 "GPUs pass use_cpu=True (TokenWeightedArguments does this by itself) so the processes join over gloo."
             )
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not self.is_fsdp_enabled:
+            # accelerate enables FSDP only for GPU-like distributed types (state.py); CPU processes get DDP silently.
+            logger.warning(
+                "hfacc: the accelerate config asks for FSDP, but accelerate shards only on GPUs (and XPU/NPU/...): "
+                "these %d CPU processes train as plain data parallel (DDP), each holding the whole model. The update "
+                "is the same; the memory saving is not there.",
+                self.accelerator.num_processes,
+            )
         # A plain nn.Module without a `labels` argument would have its labels column removed by the Trainer.
         if not self.label_names:
             self.label_names = ["labels"]
