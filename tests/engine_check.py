@@ -110,17 +110,13 @@ def full_parameters(model):
     from torch.distributed.tensor import DTensor
 
     params = list(model.parameters())
-    if any(hasattr(p, "ds_id") for p in params) or _is_deepspeed(model):
+    if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params):  # DeepSpeed ZeRO-3 / ZeRO-1, 2
         from deepspeed.utils import safe_get_full_fp32_param
 
         full = [safe_get_full_fp32_param(p) for p in params]  # ZeRO's fp32 master weights, not the bf16 copies
     else:
         full = [p.full_tensor() if isinstance(p, DTensor) else p for p in params]
     return torch.cat([p.detach().float().cpu().flatten() for p in full])
-
-
-def _is_deepspeed(model):
-    return any(hasattr(p, "_hp_mapping") for p in model.parameters())
 
 
 def partition_everything(args):
@@ -299,9 +295,9 @@ def main(engine: str, out_path: str) -> None:
         run("trainer bs2 ga4 fused", trainer_case, examples, bs=2, ga=4)
     elif engine == "ddp":
         run("trainer bs1 ga4 fused", trainer_case, examples, bs=1, ga=4)
-        where = (dist.get_rank(), int(os.environ.get("GROUP_RANK", -1)), int(os.environ.get("LOCAL_RANK", -1)))
-        results["ranks"] = [None] * dist.get_world_size()
-        dist.all_gather_object(results["ranks"], where)  # (global rank, machine rank, local rank) of every process
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        where = (rank, int(os.environ.get("GROUP_RANK", -1)), int(os.environ.get("LOCAL_RANK", -1)))
+        results["ranks"] = gather_lists([where])  # (global rank, machine rank, local rank) of every process
     elif engine in ("zero2", "zero3"):
         run("trainer bs1 ga4 fused", trainer_case, examples, bs=1, ga=4)
         run("trainer bs1 ga4 plain", trainer_case, examples, bs=1, ga=4, fused=False)
@@ -326,6 +322,11 @@ def main(engine: str, out_path: str) -> None:
             run("trainer on cpu (ddp)", trainer_case, examples, bs=1, ga=4)
         results["warnings"] = gather_lists(log.messages)
         accelerator = Accelerator(cpu=not CUDA)
+        if not dist.is_initialized():  # one process (the benchmark on 1 GPU): fully_shard still wants a group
+            port = os.environ.get("MASTER_PORT", "29512")
+            dist.init_process_group(
+                "nccl" if CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+            )
         run("loop full-shard fused", fsdp2_loop_case, accelerator, examples)
         run("loop full-shard plain", fsdp2_loop_case, accelerator, examples, fused=False)
         run("loop shard-grad-op fused", fsdp2_loop_case, accelerator, examples, reshard=False)
