@@ -221,6 +221,7 @@ class TokenWeightedTrainer(Trainer):
         self.window_batches: list = []
         self._packing_checked = False
         self._window_left = 0
+        self._deepspeed_skips_steps = True  # whether DeepSpeed's overflow check is on (known at train start)
         self.meter = LossMeter(self.args.device)
         if getattr(self.args, "audit_every_n_steps", 0):
             from .verify import AccumulationAuditCallback
@@ -346,7 +347,7 @@ class TokenWeightedTrainer(Trainer):
                 objective, model, inputs, window, normalization=self.normalization, world_size=world
             )
             self.meter.add_micro_batch(sums)
-            if self.is_deepspeed_enabled:
+            if self.is_deepspeed_enabled and self._deepspeed_skips_steps:
                 loss = mark_for_deepspeed_skip(loss, self.skip_nonfinite_steps, skip=window.num_targets == 0)
         else:
             outputs, sums = objective(model, inputs, per_sequence=True)
@@ -523,9 +524,11 @@ class _WindowGuard(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.meter.reset_run()
-        if self.trainer.is_deepspeed_enabled and self.trainer.skip_nonfinite_steps:
+        if self.trainer.is_deepspeed_enabled:
             problem = deepspeed_overflow_problem(self.trainer.model_wrapped)
-            if problem:
+            # Without the check, a window made to overflow would be applied: NaN weights. Never poison it then.
+            self.trainer._deepspeed_skips_steps = problem is None
+            if problem and self.trainer.skip_nonfinite_steps:
                 raise ValueError(
                     f"hfacc: skip_nonfinite_steps=True needs DeepSpeed to skip a step with inf/NaN gradients (its "
                     f"optimizer step runs inside the last micro-batch's backward, before hfacc can act), but {problem}. "
@@ -644,7 +647,11 @@ def _drop_gradients(trainer: TokenWeightedTrainer) -> None:
     if trainer.accelerator.distributed_type == DistributedType.DEEPSPEED:
         # The step already ran, inside the last backward. The window was made to overflow (mark_for_deepspeed_skip),
         # so DeepSpeed's own check must have skipped it and zeroed the gradients; if it did not, say so loudly.
-        if not trainer.optimizer.step_was_skipped:
+        if not trainer._deepspeed_skips_steps:  # skip_nonfinite_steps=False with DeepSpeed's check off
+            logger.warning(
+                "hfacc: DeepSpeed's overflow check is off, so this step could not be skipped: it was taken."
+            )
+        elif not trainer.optimizer.step_was_skipped:
             raise NonFiniteLossError(
                 "hfacc: DeepSpeed applied the update of a window that had to be skipped (no targets, or an inf/NaN "
                 "loss): its overflow check is off. Enable it (bf16.check_grad_overflow: true, or "
