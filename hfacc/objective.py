@@ -95,11 +95,12 @@ class CausalLMObjective(Objective):
     Packed rows (``position_ids`` that restart, no ``attention_mask``) run with ``use_cache=False``: with a cache,
     transformers does not keep packed sequences apart.
 
-    With ``fused=True`` the output projection is swapped, for the length of one forward, for a module that computes
-    the loss sums from the final hidden states in chunks (:func:`hfacc.loss.fused_linear_cross_entropy_sums`), so
-    the full ``[B, T, V]`` logits never exist; the model's output then holds the loss sum where its logits would be.
-    The swap happens inside the model's own forward, so DDP sees every parameter it expects. :func:`check_fused_loss`
-    decides whether a model can be taken apart like this.
+    With ``fused=True`` the output projection's forward is swapped, for the length of one forward, for one that
+    computes the loss sums from the final hidden states in chunks (:func:`hfacc.loss.fused_linear_cross_entropy_sums`),
+    so the full ``[B, T, V]`` logits never exist; the model's output then holds the loss sum where its logits would
+    be. The head module itself is still called inside the model's own forward, so DDP sees every parameter it expects
+    and FSDP2/ZeRO-3 gather its weight as usual. :func:`check_fused_loss` decides whether a model can be taken apart
+    like this.
     """
 
     name = "causal_lm"
