@@ -38,6 +38,12 @@ from .loss import (
     squared_error_sums,
 )
 
+try:  # FSDP2 and DTensor (torch >= 2.6); without them no weight is FSDP2-sharded
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+except ImportError:
+    FSDPModule = DTensor = None
+
 logger = logging.getLogger(__name__)
 
 # Batch keys that describe targets or hfacc's bookkeeping, never model inputs. `sequence_ids` / `num_sequences`: which
@@ -99,11 +105,12 @@ class CausalLMObjective(Objective):
     transformers does not keep packed sequences apart. Their per-sequence sums (``normalization="sequence"``) are
     per packed sequence, not per row.
 
-    With ``fused=True`` the output projection is swapped, for the length of one forward, for a module that computes
-    the loss sums from the final hidden states in chunks (:func:`hfacc.loss.fused_linear_cross_entropy_sums`), so
-    the full ``[B, T, V]`` logits never exist; the model's output then holds the loss sum where its logits would be.
-    The swap happens inside the model's own forward, so DDP sees every parameter it expects. :func:`check_fused_loss`
-    decides whether a model can be taken apart like this.
+    With ``fused=True`` the output projection's forward is swapped, for the length of one forward, for one that
+    computes the loss sums from the final hidden states in chunks (:func:`hfacc.loss.fused_linear_cross_entropy_sums`),
+    so the full ``[B, T, V]`` logits never exist; the model's output then holds the loss sum where its logits would
+    be. The head module itself is still called inside the model's own forward, so DDP sees every parameter it expects
+    and FSDP2/ZeRO-3 gather its weight as usual. :func:`check_fused_loss` decides whether a model can be taken apart
+    like this.
     """
 
     name = "causal_lm"
@@ -153,7 +160,13 @@ class CausalLMObjective(Objective):
             outputs = model(**inputs)
         sums, per_target, correct = head.result
         if per_sequence:  # evaluation: per-sequence sums for the exact cross-rank eval metrics, no gradient needed
-            sums = per_sequence_sums(per_target, correct, targets != IGNORE_INDEX, sequences)
+            return outputs, per_sequence_sums(per_target, correct, targets != IGNORE_INDEX, sequences)
+        returned = get_logits(outputs)
+        if returned.requires_grad and returned.dim() == 0:
+            # Backpropagate from what the model returned, not from the kernel's own output: FSDP2 and ZeRO-3 hook
+            # their backward (re-gather the weight, reduce-scatter its gradient) on the head's output as the model
+            # passed it on. `check_fused_loss` made sure the model returns that value unchanged.
+            sums = sums._replace(loss=returned)
         return outputs, sums
 
     def _targets(self, batch):
@@ -196,15 +209,22 @@ def packed_position_ids(batch: Mapping[str, Any]) -> torch.Tensor | None:
     return None
 
 
-class _FusedOutputHead(nn.Module):
-    """Stands in for the output projection during one forward and returns the loss sum instead of logits."""
+class _FusedOutputHead:
+    """The output projection's ``forward`` for one model forward: it returns the loss sum instead of logits.
+
+    Only the head's ``forward`` is replaced (:func:`swap_output_head`); the head module itself stays in the model and
+    is called as usual, so every hook a distributed engine put on it runs around this code. That is what gathers a
+    sharded weight exactly as the engine does for its own forward: FSDP2 has unsharded it (the root's all-gather, or
+    the head's own when it is a separate FSDP unit), DeepSpeed ZeRO-3 has gathered its partitions, and ``weight`` is
+    read here, at call time, as the full ``[V, H]`` tensor. The engines hook their backward on the returned loss,
+    which hands the weight's gradient back to them to reduce and keep only this rank's shard.
+    """
 
     def __init__(self, head: nn.Linear, targets: torch.Tensor, chunk_size: int, label_smoothing: float):
-        super().__init__()
         self.head, self.targets, self.chunk_size, self.label_smoothing = head, targets, chunk_size, label_smoothing
         self.result = None
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[:-1] != self.targets.shape:
             raise RuntimeError(
                 f"fused loss: hidden states {tuple(hidden.shape)} do not match labels {tuple(self.targets.shape)}"
@@ -222,28 +242,55 @@ class _FusedOutputHead(nn.Module):
 
 
 @contextlib.contextmanager
-def swap_output_head(model: nn.Module, head: nn.Module):
-    """Put ``head`` in place of ``model``'s output projection for the duration of the block."""
-    base = get_base_model(model)
-    original = base.get_output_embeddings()
-    base.set_output_embeddings(head)
+def swap_output_head(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]):
+    """Run ``forward`` in place of the forward of ``model``'s output projection for the duration of the block."""
+    head = get_base_model(model).get_output_embeddings()
+    own = head.__dict__.get("forward")  # a forward already set on the instance (rare) is put back afterwards
+    head.forward = forward
     try:
-        yield
+        yield head
     finally:
-        base.set_output_embeddings(original)
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
 
 
 def fused_loss_problem(model: nn.Module) -> str | None:
-    """Why ``model``'s loss cannot be fused with its output projection, or None if it can be tried."""
+    """Why ``model``'s loss cannot be fused with its output projection, or None if it can be tried.
+
+    A weight sharded by FSDP2 (a ``DTensor``) or DeepSpeed ZeRO-3 (a partitioned parameter) is fine: the engine
+    gathers it for the head's forward, inside which the fused loss runs (see :class:`_FusedOutputHead`).
+    """
     base = get_base_model(model)
     get_head = getattr(base, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if head is None or not callable(getattr(base, "set_output_embeddings", None)):
         return f"{type(base).__name__} has no get/set_output_embeddings"
-    if type(head) is not nn.Linear:
+    if _module_class(head) is not nn.Linear:
         return f"its output projection is a {type(head).__name__} (e.g. adapted by LoRA), not a plain nn.Linear"
-    if type(head.weight) is not nn.Parameter or head.weight.dim() != 2 or head.weight.numel() == 0:
-        return "its output projection's weight is sharded or not a plain 2-D parameter (FSDP/ZeRO-3)"
+    shape = _gathered_shape(head.weight, base)
+    if shape is None and type(head.weight) is nn.Parameter:
+        shape = tuple(head.weight.shape)
+    if shape is None or len(shape) != 2 or 0 in shape:
+        return "its output projection's weight is not a 2-D parameter that hfacc can gather (e.g. FSDP v1 flattens it)"
+    return None
+
+
+def _module_class(module: nn.Module) -> type:
+    """The module's own class; FSDP2's ``fully_shard`` swaps it for a subclass ``FSDP<Class>``."""
+    cls = type(module)
+    if FSDPModule is not None and isinstance(module, FSDPModule):
+        return cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)]
+    return cls
+
+
+def _gathered_shape(weight: torch.Tensor, model: nn.Module) -> tuple[int, ...] | None:
+    """The full shape of a weight that FSDP2 or ZeRO-3 shards and gathers for each forward, else None."""
+    if hasattr(weight, "ds_shape"):  # DeepSpeed ZeRO-3: the local tensor is empty outside the module's forward
+        return tuple(weight.ds_shape)
+    if DTensor is not None and isinstance(weight, DTensor) and any(isinstance(m, FSDPModule) for m in model.modules()):
+        return tuple(weight.shape)  # FSDP2: a DTensor's shape is the global one
     return None
 
 

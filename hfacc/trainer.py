@@ -231,6 +231,14 @@ class TokenWeightedTrainer(Trainer):
                 f"{self.accelerator.num_processes}), so every process would train its own copy. On a machine without "
                 "GPUs pass use_cpu=True (TokenWeightedArguments does this by itself) so the processes join over gloo."
             )
+        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not self.is_fsdp_enabled:
+            # accelerate enables FSDP only for GPU-like distributed types (state.py); CPU processes get DDP silently.
+            logger.warning(
+                "hfacc: the accelerate config asks for FSDP, but accelerate shards only on GPUs (and XPU/NPU/...): "
+                "these %d CPU processes train as plain data parallel (DDP), each holding the whole model. The update "
+                "is the same; the memory saving is not there.",
+                self.accelerator.num_processes,
+            )
         # A plain nn.Module without a `labels` argument would have its labels column removed by the Trainer.
         if not self.label_names:
             self.label_names = ["labels"]
@@ -243,6 +251,7 @@ class TokenWeightedTrainer(Trainer):
         self.padding_free = False  # decided with the objective, on the first micro-batch
         self.padding_free_one_row = True  # one row for variable-length attention kernels, else rows
         self._window_left = 0
+        self._deepspeed_skips_steps = True  # whether DeepSpeed's overflow check is on (known at train start)
         self.meter = LossMeter(self.args.device)
         if getattr(self.args, "audit_every_n_steps", 0):
             from .verify import AccumulationAuditCallback
@@ -413,9 +422,11 @@ class TokenWeightedTrainer(Trainer):
             return
         if self.normalization == "sequence":
             problem = "normalization='sequence' weighs targets unequally"
-        elif self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            problem = "parameters are sharded (FSDP/DeepSpeed)"
+        elif self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
+            problem = "FSDP v1 flattens the parameters (FSDP2, fsdp_version: 2, keeps the output projection whole)"
         else:
+            # DDP, DeepSpeed ZeRO-1/2 (whole parameters), FSDP2 and ZeRO-3: the engine gathers a sharded output
+            # projection for the head's forward, inside which the fused loss runs (objective._FusedOutputHead).
             problem = check_fused_loss(objective, self.model, self._prepare_inputs(batch))
         objective.fused = all_ranks_agree(problem is None, self.accelerator)
         if objective.fused:
@@ -446,6 +457,8 @@ class TokenWeightedTrainer(Trainer):
             if repeated:  # only examples accelerate repeated: run for the all-reduce, contribute nothing
                 loss, sums = loss * 0, LossSums(*(torch.zeros_like(t) for t in sums))
             self.meter.add_micro_batch(sums)
+            if self.is_deepspeed_enabled and self._deepspeed_skips_steps:
+                loss = mark_for_deepspeed_skip(loss, self.skip_nonfinite_steps, skip=window.num_targets == 0)
         else:
             outputs, sums = self._evaluation_sums(objective, model, inputs, packed)
             loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
@@ -749,6 +762,16 @@ class _WindowGuard(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer.meter.reset_run()
+        if self.trainer.is_deepspeed_enabled:
+            problem = deepspeed_overflow_problem(self.trainer.model_wrapped)
+            # Without the check, a window made to overflow would be applied: NaN weights. Never poison it then.
+            self.trainer._deepspeed_skips_steps = problem is None
+            if problem and self.trainer.skip_nonfinite_steps:
+                raise ValueError(
+                    f"hfacc: skip_nonfinite_steps=True needs DeepSpeed to skip a step with inf/NaN gradients (its "
+                    f"optimizer step runs inside the last micro-batch's backward, before hfacc can act), but {problem}. "
+                    "Change the DeepSpeed config as said, or pass skip_nonfinite_steps=False to let such steps through."
+                )
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         trainer, meter, window = self.trainer, self.trainer.meter, self.trainer.window
@@ -796,6 +819,48 @@ class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps had a non-finite loss or gradient."""
 
 
+def mark_for_deepspeed_skip(loss: torch.Tensor, skip_if_nonfinite: bool, skip: bool = False) -> torch.Tensor:
+    """``loss``, made to give NaN gradients when its window's step must be skipped, for DeepSpeed to skip it.
+
+    Under DeepSpeed the optimizer step runs inside the last micro-batch's backward (accelerate's engine wrapper), so
+    no callback can drop the gradients before it. DeepSpeed skips a step whose gradients hold inf/NaN and zeroes them
+    (its overflow check, the one fp16 loss scaling relies on), so a window to skip is turned into such a window: its
+    loss is multiplied by NaN (``skip``: a window without targets) or, with ``skip_if_nonfinite``, by NaN when the
+    loss is not finite (an inf loss can have finite gradients). Otherwise the factor is exactly 1.0: bit for bit the
+    same gradient. No host sync: the factor is chosen on the device.
+    """
+    if skip:
+        return loss * float("nan")
+    if not skip_if_nonfinite:
+        return loss
+    ok = torch.isfinite(loss.detach())
+    return loss * torch.where(ok, torch.ones_like(loss), torch.full_like(loss, float("nan")))
+
+
+def deepspeed_overflow_problem(engine: Any) -> str | None:
+    """Why the DeepSpeed ``engine`` would apply a step with inf/NaN gradients instead of skipping it, or None.
+
+    DeepSpeed 0.19: ZeRO-3 always checks the gradient norm; ZeRO-1/2 check when ``bf16.check_grad_overflow`` (the
+    default) or, outside bf16, when ``zero_optimization.compute_grad_norm`` (the default) is on; fp16 always checks.
+    An optimizer of unknown kind is given the benefit of the doubt, and ``_drop_gradients`` still catches a step that
+    was not skipped.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is None or engine.zero_optimization_stage() >= 3:
+        return None
+    if hasattr(optimizer, "check_grad_overflow"):  # DeepSpeedZeroOptimizer (ZeRO-1/2)
+        by_norm = getattr(optimizer, "compute_grad_norm", True) and optimizer.dtype != torch.bfloat16
+        if optimizer.check_grad_overflow or by_norm:
+            return None
+        return (
+            "its ZeRO optimizer checks no gradient for inf/NaN (set bf16.check_grad_overflow: true, or "
+            "zero_optimization.compute_grad_norm: true)"
+        )
+    if not hasattr(optimizer, "overflow"):  # a plain torch optimizer: no ZeRO, no fp16/bf16 wrapper
+        return f"its optimizer ({type(optimizer).__name__}) does not check gradients for inf/NaN; use ZeRO stage 1-3"
+    return None
+
+
 def all_ranks_agree(flag: bool, accelerator) -> bool:
     """True only if ``flag`` is True on every rank (one collective), so that all ranks take the same path."""
     if accelerator.num_processes == 1:
@@ -806,6 +871,8 @@ def all_ranks_agree(flag: bool, accelerator) -> bool:
 
 
 def _window_is_finite(trainer: TokenWeightedTrainer, meter: LossMeter) -> bool:
+    if trainer.is_deepspeed_enabled and trainer.optimizer.step_was_skipped:
+        return False  # DeepSpeed found inf/NaN in the gradients (its flag is already agreed over the ranks)
     grads = [p.grad for group in trainer.optimizer.param_groups for p in group["params"] if p.grad is not None]
     total = meter.staged[0].float()
     if grads:
@@ -816,7 +883,18 @@ def _window_is_finite(trainer: TokenWeightedTrainer, meter: LossMeter) -> bool:
 
 def _drop_gradients(trainer: TokenWeightedTrainer) -> None:
     if trainer.accelerator.distributed_type == DistributedType.DEEPSPEED:
-        logger.warning("hfacc: under DeepSpeed a step cannot be skipped from outside the engine; it is taken.")
+        # The step already ran, inside the last backward. The window was made to overflow (mark_for_deepspeed_skip),
+        # so DeepSpeed's own check must have skipped it and zeroed the gradients; if it did not, say so loudly.
+        if not trainer._deepspeed_skips_steps:  # skip_nonfinite_steps=False with DeepSpeed's check off
+            logger.warning(
+                "hfacc: DeepSpeed's overflow check is off, so this step could not be skipped: it was taken."
+            )
+        elif not trainer.optimizer.step_was_skipped:
+            raise NonFiniteLossError(
+                "hfacc: DeepSpeed applied the update of a window that had to be skipped (no targets, or an inf/NaN "
+                "loss): its overflow check is off. Enable it (bf16.check_grad_overflow: true, or "
+                "zero_optimization.compute_grad_norm: true) or pass skip_nonfinite_steps=False."
+            )
         return
     params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     if getattr(trainer.accelerator, "scaler", None) is not None:

@@ -1,4 +1,6 @@
-"""Run on two CPU ranks (gloo): ``torchrun --nproc_per_node 2 tests/distributed_check.py OUT.json``.
+"""Two CPU ranks (gloo), launched as tests/test_distributed.py does:
+
+    accelerate launch --config_file accelerate_configs/ddp.yaml tests/distributed_check.py OUT.json
 
 The ranks see very different token counts (rank 0 gets the long sequences, rank 1 the short ones). Each case's
 gradient, after DDP's all-reduce, is compared with the full-batch reference computed on every rank from all 8

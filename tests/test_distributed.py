@@ -1,23 +1,23 @@
-"""Two CPU ranks (gloo) through torchrun: exact gradients when the ranks see very different token counts."""
+"""Two CPU ranks (gloo) launched with accelerate_configs/ddp.yaml: exact gradients when the ranks see very
+different token counts."""
 
 import json
 import subprocess
-from pathlib import Path
+import sys
 
 import pytest
 
-from tests.helpers import torchrun
+from tests.helpers import ROOT, free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-6
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist") / "results.json"
-    proc = subprocess.run(
-        torchrun("tests/distributed_check.py", str(out)), cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml"]
+    launch += ["--main_process_port", str(free_port()), "tests/distributed_check.py", str(out)]
+    proc = subprocess.run(launch, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
