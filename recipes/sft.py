@@ -64,7 +64,10 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out examples; {batch} sequences per step")
     before = trainer.evaluate()
     train_result = trainer.train(resume_from_checkpoint=resume)  # "last": the newest complete checkpoint
-    after = trainer.evaluate()
+    # With eval_strategy "steps" the Trainer has just evaluated the last step; evaluate only if it did not.
+    step = trainer.state.global_step
+    final = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] == step and step > 0]
+    after = final[-1] if final else trainer.evaluate()
     trainer.save_model()
 
     metrics = {

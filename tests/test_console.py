@@ -192,6 +192,20 @@ def test_debug_shows_the_traceback_and_bugs_keep_theirs(capsys, tmp_path):
         run_recipe(buggy, recipe_types(module), module.DEFAULT_CONFIG, argv=["--output_dir", str(tmp_path)])
 
 
+def test_the_hfacc_command_handles_user_errors_the_same_way(capsys, monkeypatch):
+    from hfacc.cli import main as cli_main
+
+    monkeypatch.delenv("HFACC_DEBUG", raising=False)
+    for argv, expected in (
+        (["verify", "--no_such_flag", "1"], "error: unknown argument(s): --no_such_flag 1."),
+        (["show-mask", "--dataset_name", "missing.jsonl"], "error: dataset missing.jsonl: no such file."),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == EXIT_USER_ERROR and err.startswith(expected) and "Traceback" not in err
+
+
 def run_command(*cmd, env=None, timeout=300):
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     env.pop("HFACC_DEBUG", None)
@@ -236,3 +250,40 @@ def test_through_accelerate_launch_quiet_leaves_one_message():
     loud = run_command(*launch, "recipes/sft.py", "--no_such_flag", "1")
     assert loud.returncode != 0 and "error: unknown argument(s): --no_such_flag 1." in loud.stderr
     assert loud.stderr.count("Traceback") == 1 and "CalledProcessError" in loud.stderr  # accelerate's, not ours
+
+
+SHORT = "--max_steps 4 --num_embedded_examples 240 --per_device_train_batch_size 4 --gradient_accumulation_steps 2"
+SHORT += " --eval_steps 2 --save_steps 2 --logging_steps 1 --num_exact_match_examples 12 --max_new_tokens 8"
+
+
+@pytest.mark.slow
+def test_the_recipe_console_is_a_bar_eval_lines_and_the_summary(tmp_path):
+    """The README command as a newcomer runs it: apart from accelerate's launch notice, only hfacc's lines."""
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "recipes/sft.py",
+        *SHORT.split(),
+        "--output_dir",
+        str(out),
+    ]
+    proc = run_command(*cmd)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("model  LlamaForCausalLM, ") and lines[1].startswith(
+        "data   228 training / 12 held-out"
+    )
+    assert lines[2].startswith("eval   before training loss ")
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/4", "2/4", "3/4", "4/4"]
+    assert sum(line.startswith("eval   step ") for line in lines) == 3  # steps 2 and 4, and the final evaluation
+    assert any(line.startswith("train  4 steps in ") for line in lines)
+    summary = proc.stdout[proc.stdout.index("=== hfacc SFT summary ===") :]
+    assert "exact match          " in summary and "  by task: " in summary and "wall time" in summary
+    everything = proc.stdout + proc.stderr
+    for noise in ("Traceback", "{'", "\x1b[A", "Tokenizing", "Writing model shards", "INFO", "real_accelerator"):
+        assert noise not in everything, noise
+    # stderr holds accelerate's notice about the launch values it guessed, and nothing else
+    notice = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert all("accelerate" in line or line.startswith("\t`--") for line in notice), notice
