@@ -69,6 +69,8 @@ def describe_user_error(err: BaseException, settings: Sequence[Any] = ()) -> str
             "out of memory. Lower per_device_train_batch_size (or max_tokens_per_batch) and raise "
             "gradient_accumulation_steps by the same factor: the update stays exactly the same."
         )
+    if isinstance(err, PermissionError):
+        return f"permission denied: {err.filename}. Choose a path you can write to (e.g. --output_dir)."
     if any(_is_hub_error(e) for e in chain):
         return _hub_message(chain, settings)
     return None

@@ -122,6 +122,8 @@ def test_user_errors_and_bugs_are_told_apart(monkeypatch):
     assert describe_user_error(ConfigError("bad")) == "bad"
     assert describe_user_error(KeyError("x")) is None and describe_user_error(ValueError("x")) is None
     assert "lower per_device_train_batch_size" in describe_user_error(torch.OutOfMemoryError("CUDA oom")).lower()
+    denied = PermissionError(13, "Permission denied", "/root/out")
+    assert describe_user_error(denied).startswith("permission denied: /root/out.")
 
     class Settings:
         model_name_or_path = "nobody/no-such-model"
