@@ -87,8 +87,8 @@ def _words(rng):
 
 
 def _repeat(rng):
-    word, k = rng.choice(WORDS), rng.randint(1, 5)
-    return f"Repeat '{word}' {k} times.", " ".join([word] * k), None
+    word, k = rng.choice(WORDS), rng.randint(1, 4)
+    return f"Repeat '{word}' {'once' if k == 1 else f'{k} times'}.", " ".join([word] * k), None
 
 
 TASKS: dict[str, Callable] = {
@@ -99,6 +99,9 @@ TASKS: dict[str, Callable] = {
     "spell": _spell,
     "words": _words,
 }
+# A sum has one or two hard tokens (the rest of "9 + 4 = 13" is copied): drawn twice as often, the sums get a share
+# of the (token-weighted) gradient that lets them be learned in the same run. Other tasks weigh 1.
+TASK_WEIGHTS: dict[str, float] = {"arithmetic": 2.0}
 
 
 def generate_instruction_examples(n: int = 4000, seed: int = 0, two_turn_fraction: float = 0.3) -> list[dict]:
@@ -108,13 +111,14 @@ def generate_instruction_examples(n: int = 4000, seed: int = 0, two_turn_fractio
     needs the first one; a third of the conversations start with a system prompt.
 
     >>> generate_instruction_examples(1, seed=3)[0]["messages"][-1]
-    {'role': 'assistant', 'content': '12 11 10 9 8 7 6 5 4 3 2 1 0'}
+    {'role': 'assistant', 'content': '8 + 2 = 10'}
     """
     rng = random.Random(seed)
     names = list(TASKS)
+    weights = [TASK_WEIGHTS.get(name, 1.0) for name in names]
     out = []
     for _ in range(n):
-        name = rng.choice(names)
+        name = rng.choices(names, weights)[0]
         question, answer, value = TASKS[name](rng)
         messages = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 1 / 3 else []
         messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]

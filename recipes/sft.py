@@ -58,10 +58,12 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
     )
     use_console(trainer)  # one progress bar and compact lines instead of the Trainer's printed dicts
     if trainer.is_world_process_zero():
-        params = sum(p.numel() for p in model.parameters())
-        batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
-        write(f"model  {type(model).__name__}, {params / 1e6:.1f}M parameters")
-        write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out examples; {batch} sequences per step")
+        micro = f"{args.per_device_train_batch_size} sequences"
+        if args.max_tokens_per_batch:
+            micro = f"up to {args.max_tokens_per_batch:,} tokens"
+        write(f"model  {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+        write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out examples")
+        write(f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)")
     before = trainer.evaluate()
     train_result = trainer.train(resume_from_checkpoint=resume)  # "last": the newest complete checkpoint
     # With eval_strategy "steps" the Trainer has just evaluated the last step; evaluate only if it did not.
@@ -86,7 +88,10 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
                 trainer.model, tokenizer, conversations, max_new_tokens=sft_args.max_new_tokens
             )
             metrics["exact_match"] = score
-            metrics["samples"] = [{"prompt": p[-1]["content"], "reference": r, "answer": a} for p, r, a in samples]
+            metrics["samples"] = [
+                {"prompt": " / ".join(m["content"] for m in p if m["role"] == "user"), "reference": r, "answer": a}
+                for p, r, a in samples
+            ]
             if "task" in raw_eval.column_names:  # the embedded data names its tasks: which ones were learned
                 tasks = raw_eval["task"][: len(samples)]
                 metrics["exact_match_by_task"] = exact_match_by_group(tasks, samples)

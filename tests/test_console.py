@@ -277,9 +277,11 @@ def test_the_recipe_console_is_a_bar_eval_lines_and_the_summary(tmp_path):
     assert lines[0].startswith("model  LlamaForCausalLM, ") and lines[1].startswith(
         "data   228 training / 12 held-out"
     )
-    assert lines[2].startswith("eval   before training loss ")
+    assert lines[2] == "batch  4 sequences x 2 micro-batches x 1 process(es)"
+    assert lines[3].startswith("eval   before training loss ")
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/4", "2/4", "3/4", "4/4"]
-    assert sum(line.startswith("eval   step ") for line in lines) == 3  # steps 2 and 4, and the final evaluation
+    # steps 2 and 4; the recipe reuses the Trainer's evaluation of the last step instead of evaluating again
+    assert [line.split()[2] for line in lines if line.startswith("eval   step ")] == ["2", "4"]
     assert any(line.startswith("train  4 steps in ") for line in lines)
     summary = proc.stdout[proc.stdout.index("=== hfacc SFT summary ===") :]
     assert "exact match          " in summary and "  by task: " in summary and "wall time" in summary
