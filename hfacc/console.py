@@ -1,8 +1,9 @@
 """What hfacc's commands print: one progress bar, compact lines, and user errors as one message.
 
 By default a run shows one training progress bar whose postfix carries the exact token-weighted loss, the token
-accuracy and the target tokens per second; one line per evaluation; hfacc's warnings without timestamps; and no
-progress bars for work that takes under a second. Piped output (a log file, CI) gets one line per log instead of a
+accuracy and the target tokens per second; one line per evaluation; hfacc's warnings without timestamps; no
+datasets progress bars (hfacc reports what tokenization dropped), and transformers' bars only for work that takes
+over a second. Piped output (a log file, CI) gets one line per log instead of a
 bar redrawn in place. ``--log_level info`` (a ``TrainingArguments`` setting) brings back the stock output: the
 Trainer's bar with its printed dicts, the datasets bars and hfacc's INFO notices.
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -137,16 +137,17 @@ def _is_oom(err: BaseException) -> bool:
 
 
 def _is_hub_error(err: BaseException) -> bool:
+    """An error of loading from the Hugging Face Hub (not any network error: a DDP peer's reset is not one)."""
     from huggingface_hub import errors as hub
 
     if isinstance(err, hub.LocalEntryNotFoundError | hub.HfHubHTTPError | hub.HFValidationError):
         return True
-    if isinstance(err, ConnectionError | socket.gaierror):  # includes hub.OfflineModeIsEnabled; datasets raises it
+    if isinstance(err, hub.OfflineModeIsEnabled):
         return True
-    # httpx / requests connection failures (huggingface_hub uses httpx) without importing either
-    return type(err).__name__ in ("ConnectError", "ConnectTimeout", "ReadTimeout") or (
-        type(err).__module__.startswith("datasets") and type(err).__name__ == "DatasetNotFoundError"
-    )
+    # datasets wraps Hub failures in a plain ConnectionError("Couldn't reach 'name' on the Hub (...)")
+    if isinstance(err, ConnectionError) and "on the Hub" in str(err):
+        return True
+    return type(err).__module__.startswith("datasets") and type(err).__name__ == "DatasetNotFoundError"
 
 
 def _hub_message(chain: list[BaseException], settings: Sequence[Any]) -> str:

@@ -138,6 +138,9 @@ def test_user_errors_and_bugs_are_told_apart(monkeypatch):
     )
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert "HF_HUB_OFFLINE=1" in describe_user_error(network, [Settings()])
+    datasets_offline = ConnectionError("Couldn't reach 'nobody/data' on the Hub (OfflineModeIsEnabled)")
+    assert "HF_HUB_OFFLINE=1" in describe_user_error(datasets_offline)
+    assert describe_user_error(ConnectionResetError("peer")) is None  # a network error, but not the Hub's
 
 
 def run_sft(capsys, *argv):
