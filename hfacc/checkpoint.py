@@ -15,6 +15,8 @@ from pathlib import Path
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from .config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 MARKER = "checkpoint_complete.json"
@@ -76,19 +78,19 @@ def get_last_complete_checkpoint(output_dir: str | Path) -> str | None:
 
 
 def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: str | Path) -> str | None:
-    """``True``/``"last"`` -> the newest complete checkpoint; a path -> itself if complete, else a clear error."""
+    """``True``/``"last"`` -> the newest complete checkpoint; a path -> itself if complete, else a ConfigError."""
     if resume_from_checkpoint in (None, False, ""):
         return None
     if resume_from_checkpoint is True or resume_from_checkpoint in ("last", "true", "True"):
         found = get_last_complete_checkpoint(output_dir)
         if found is None:
-            raise ValueError(f"resume_from_checkpoint: no complete checkpoint in {output_dir}.")
+            raise ConfigError(f"resume_from_checkpoint: no complete checkpoint in {output_dir}.")
         return found
     problem = checkpoint_problem(resume_from_checkpoint)
     if problem is not None:
         found = get_last_complete_checkpoint(Path(resume_from_checkpoint).parent)
         hint = f" The newest complete one is {found}." if found else ""
-        raise ValueError(f"Cannot resume from {resume_from_checkpoint}: {problem}.{hint}")
+        raise ConfigError(f"Cannot resume from {resume_from_checkpoint}: {problem}.{hint}")
     return str(resume_from_checkpoint)
 
 

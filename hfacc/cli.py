@@ -5,12 +5,14 @@ hfacc verify --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name my.jsonl --gr
 hfacc verify --config recipes/configs/smollm2-135m_full.yaml
 accelerate launch --config_file accelerate_configs/ddp.yaml -m hfacc.cli verify    # the distributed path
 hfacc show-mask --dataset_name my.jsonl --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --count 3
+
+Exit codes: 0 done (verify: PASS), 1 verify FAIL, 2 a user error (one message; --debug or HFACC_DEBUG=1 shows the
+traceback).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from dataclasses import dataclass, field
 
@@ -37,14 +39,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:10s} {text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
-    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
-    import datasets
+    from .console import pop_debug_flag, setup_console, user_errors
 
-    datasets.disable_progress_bars()  # a handful of rows: the bars would only hide the report
-    return {"verify": run_verify, "show-mask": run_show_mask}[command](rest)
+    setup_console()  # warnings as plain lines; no bars for the handful of rows these commands tokenize
+    debug, rest = pop_debug_flag(rest)
+    with user_errors(debug) as guard:
+        return {"verify": run_verify, "show-mask": run_show_mask}[command](rest, guard)
 
 
-def run_verify(argv: list[str]) -> int:
+def run_verify(argv: list[str], guard) -> int:
     import torch
     from accelerate import Accelerator
 
@@ -55,7 +58,7 @@ def run_verify(argv: list[str]) -> int:
     from .trainer import TokenWeightedArguments
     from .verify import VerifyArguments, verify_accumulation
 
-    verify_args, model_args, data_args = parse_args(
+    verify_args, model_args, data_args = guard.settings = parse_args(
         [VerifyArguments, ModelArguments, DataArguments],
         argv,
         ignore_types=(TokenWeightedArguments, _SFTKeys),  # a recipe config's training keys are not verify's
@@ -94,7 +97,7 @@ def run_verify(argv: list[str]) -> int:
     return 0 if report.passed else 1
 
 
-def run_show_mask(argv: list[str]) -> int:
+def run_show_mask(argv: list[str], guard) -> int:
     import datasets
 
     from .config import parse_args
@@ -110,7 +113,7 @@ def run_show_mask(argv: list[str]) -> int:
     )
     from .modeling import ModelArguments, load_model_and_tokenizer
 
-    show, model_args, data_args = parse_args(
+    show, model_args, data_args = guard.settings = parse_args(
         [ShowMaskArguments, ModelArguments, DataArguments], argv, prog="hfacc show-mask"
     )
     _, tokenizer = load_model_and_tokenizer(model_args)

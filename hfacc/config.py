@@ -17,6 +17,13 @@ class ConfigError(ValueError):
     """A config file or command line that does not fit the recipe's dataclasses."""
 
 
+class _ArgumentParser(HfArgumentParser):
+    """argparse prints the usage of every setting (hundreds of lines) and exits; here a bad flag is a ConfigError."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}. Run with --help for the settings.")
+
+
 def load_yaml_config(
     path: str | Path, dataclass_types: Sequence[type], ignore_types: Sequence[type] = ()
 ) -> dict[str, Any]:
@@ -27,7 +34,10 @@ def load_yaml_config(
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config {path}: no such file.")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from err
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of setting: value, got {type(data).__name__}.")
     known = {f.name for cls in dataclass_types for f in dataclasses.fields(cls) if f.init}
@@ -54,6 +64,7 @@ def parse_args(
 
     ``--config FILE.yaml`` sets defaults (``default_config`` when none is given); flags on the command line win.
     Unknown YAML keys and unknown flags are errors that name them; YAML keys of ``ignore_types`` are skipped.
+    Every problem with the settings (a bad value, a failed check in a dataclass) raises :class:`ConfigError`.
     """
     args = list(sys.argv[1:] if args is None else args)
     config_path = default_config
@@ -69,7 +80,7 @@ def parse_args(
                 config_path = a.split("=", 1)[1]
                 del args[i]
                 break
-    parser = HfArgumentParser(list(dataclass_types), prog=prog)
+    parser = _ArgumentParser(list(dataclass_types), prog=prog)
     parser.add_argument("--config", help="YAML file of defaults for any of the settings below.")
     if config_path is not None:
         parser.set_defaults(**load_yaml_config(config_path, dataclass_types, ignore_types))
@@ -80,5 +91,8 @@ def parse_args(
     values = vars(namespace)
     for cls in dataclass_types:
         names = {f.name for f in dataclasses.fields(cls) if f.init}
-        outputs.append(cls(**{k: v for k, v in values.items() if k in names}))
+        try:
+            outputs.append(cls(**{k: v for k, v in values.items() if k in names}))
+        except ValueError as err:  # a dataclass's own check (__post_init__): the user's settings, not a bug
+            raise ConfigError(str(err)) from err
     return tuple(outputs)

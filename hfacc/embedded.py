@@ -1,9 +1,10 @@
 """The embedded default: an instruction dataset, a tokenizer and a tiny Llama, all made here, offline.
 
 ``accelerate launch recipes/sft.py`` with no arguments trains on this. The dataset is generated deterministically
-from a seed: small tasks whose answers range from one token to dozens (arithmetic, reversing and spelling words,
-counting, writing numbers in words, sorting, some two-turn follow-ups), in chat format with a system prompt on some
-conversations, so that assistant-only masking and token weighting both matter. The tokenizer is a byte-level BPE
+from a seed: six small tasks whose answers range from one token to about thirty (adding digits with a two-turn
+"Now double it." follow-up, counting down, repeating, reversing and spelling words, writing numbers in words), in
+chat format with a system prompt on some conversations, so that assistant-only masking and token weighting both
+matter. The tokenizer is a byte-level BPE
 trained with ``tokenizers`` on the project's own corpus, with a ChatML chat template.
 """
 
@@ -20,7 +21,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|pad|>", "<|im_start|>", "<|im_end|>"]
-SYSTEM_PROMPT = "You are a careful assistant. Answer with the result only."
+SYSTEM_PROMPT = "Answer briefly."
 
 WORDS = (
     "apple river planet garden window silver yellow orange pencil rocket candle forest market button dragon "
@@ -56,12 +57,18 @@ def number_to_words(n: int) -> str:
     return f"{ONES[n // 1000]} thousand{rest}"
 
 
+# Tasks a 2-layer model learns within the default run's 950 steps on 2 CPU cores, with answers from 1 token to
+# about 30 (the varied lengths are what make token weighting matter). The tasks dropped for this (two-digit
+# arithmetic, counting up to a number, sorting digits, capitalizing words) stayed near 0 exact match.
 def _arithmetic(rng):
-    a, b = rng.randint(0, 20), rng.randint(0, 20)
-    if rng.random() < 0.5:
-        return f"What is {a} + {b}?", str(a + b), a + b
-    a, b = max(a, b), min(a, b)
-    return f"What is {a} - {b}?", str(a - b), a - b
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    # Restating the sum puts both digits a few tokens before the result, where two layers of attention find them.
+    return f"What is {a} + {b}?", f"{a} + {b} = {a + b}", a + b
+
+
+def _countdown(rng):
+    n = rng.randint(3, 12)
+    return f"Count down from {n} to 0.", " ".join(str(i) for i in range(n, -1, -1)), None
 
 
 def _reverse(rng):
@@ -74,42 +81,27 @@ def _spell(rng):
     return f"Spell '{word}' letter by letter.", " ".join(word.upper()), None
 
 
-def _count(rng):
-    start = rng.randint(0, 30)
-    stop = start + rng.randint(2, 12)
-    return f"Count from {start} to {stop}.", " ".join(str(i) for i in range(start, stop + 1)), None
-
-
 def _words(rng):
     n = rng.choice([rng.randint(0, 99), rng.randint(0, 99), rng.randint(100, 999)])
     return f"Write {n} in words.", number_to_words(n), None
 
 
-def _sort(rng):
-    numbers = [rng.randint(0, 9) for _ in range(rng.randint(3, 7))]
-    return f"Sort these digits: {' '.join(map(str, numbers))}", " ".join(map(str, sorted(numbers))), None
-
-
-def _upper(rng):
-    words = rng.sample(WORDS, rng.randint(1, 4))
-    return f"Write in capital letters: {' '.join(words)}", " ".join(words).upper(), None
-
-
 def _repeat(rng):
-    word, k = rng.choice(WORDS), rng.randint(1, 6)
-    return f"Repeat '{word}' {k} times.", " ".join([word] * k), None
+    word, k = rng.choice(WORDS), rng.randint(1, 4)
+    return f"Repeat '{word}' {'once' if k == 1 else f'{k} times'}.", " ".join([word] * k), None
 
 
 TASKS: dict[str, Callable] = {
     "arithmetic": _arithmetic,
+    "countdown": _countdown,
+    "repeat": _repeat,
     "reverse": _reverse,
     "spell": _spell,
-    "count": _count,
     "words": _words,
-    "sort": _sort,
-    "upper": _upper,
-    "repeat": _repeat,
 }
+# A sum has one or two hard tokens (the rest of "9 + 4 = 13" is copied): drawn twice as often, the sums get a share
+# of the (token-weighted) gradient that lets them be learned in the same run. Other tasks weigh 1.
+TASK_WEIGHTS: dict[str, float] = {"arithmetic": 2.0}
 
 
 def generate_instruction_examples(n: int = 4000, seed: int = 0, two_turn_fraction: float = 0.3) -> list[dict]:
@@ -117,12 +109,16 @@ def generate_instruction_examples(n: int = 4000, seed: int = 0, two_turn_fractio
 
     About ``two_turn_fraction`` of the arithmetic examples get a follow-up turn ("Now double it.") whose answer
     needs the first one; a third of the conversations start with a system prompt.
+
+    >>> generate_instruction_examples(1, seed=3)[0]["messages"][-1]
+    {'role': 'assistant', 'content': '8 + 2 = 10'}
     """
     rng = random.Random(seed)
     names = list(TASKS)
+    weights = [TASK_WEIGHTS.get(name, 1.0) for name in names]
     out = []
     for _ in range(n):
-        name = rng.choice(names)
+        name = rng.choices(names, weights)[0]
         question, answer, value = TASKS[name](rng)
         messages = [{"role": "system", "content": SYSTEM_PROMPT}] if rng.random() < 1 / 3 else []
         messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]

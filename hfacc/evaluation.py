@@ -53,3 +53,15 @@ def exact_match_on_conversations(model, tokenizer, conversations: list[list[dict
     predictions = generate_answers(model, tokenizer, prompts, **kwargs)
     score = load_exact_match().compute(predictions=predictions, references=references)["exact_match"]
     return score, list(zip(prompts, references, predictions, strict=True))
+
+
+def exact_match_by_group(groups: list[str], samples: list[tuple]) -> dict[str, float]:
+    """Exact match per group (e.g. per task) of ``samples`` from :func:`exact_match_on_conversations`.
+
+    >>> exact_match_by_group(["add", "add", "sort"], [(None, "4", "4"), (None, "5", "6"), (None, "1 2", "1 2")])
+    {'add': 0.5, 'sort': 1.0}
+    """
+    hits: dict[str, list[bool]] = {}
+    for group, (_, reference, answer) in zip(groups, samples, strict=True):
+        hits.setdefault(group, []).append(answer == reference)
+    return {group: sum(v) / len(v) for group, v in hits.items()}

@@ -1,16 +1,16 @@
 """Supervised fine-tuning with loss masking and exact gradient accumulation.
 
-    accelerate launch recipes/sft.py                       # embedded default: offline, CPU, about 2 minutes
+    accelerate launch recipes/sft.py                       # embedded default: offline, CPU, under 3 minutes
     accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sft.py   # two processes
 
 With neither --config nor --model_name_or_path, recipes/configs/tiny_default.yaml supplies the defaults: a tiny
 Llama and a tokenizer built here, trained on generated instructions. Any setting can be given on the command line
 (`--learning_rate 1e-4`); they override the YAML. Writes the model, tokenizer, metrics.json and loss_curve.png to
---output_dir.
+--output_dir. The console shows one progress bar, a line per evaluation and a summary (`--log_level info`: all
+detail); a user error ends in one message and exit code 2 (`--debug` or HFACC_DEBUG=1: with its traceback).
 """
 
-import logging
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,14 +19,14 @@ from pathlib import Path
 from transformers import set_seed
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer
-from hfacc.config import parse_args
+from hfacc.checkpoint import resolve_checkpoint
+from hfacc.console import run_recipe, setup_console, use_console, write
 from hfacc.data import DataArguments, build_datasets
-from hfacc.evaluation import exact_match_on_conversations
+from hfacc.evaluation import exact_match_by_group, exact_match_on_conversations
 from hfacc.modeling import ModelArguments, load_model_and_tokenizer
 from hfacc.report import save_loss_curve, write_json
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "tiny_default.yaml"
-logger = logging.getLogger("hfacc.recipes.sft")
 
 
 @dataclass
@@ -42,8 +42,9 @@ class SFTArguments:
 
 def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArguments, args: TokenWeightedArguments):
     start = time.perf_counter()
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO)
+    setup_console(args)  # quiet by default; --log_level info for all detail
     set_seed(args.seed)
+    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)  # a bad one fails now, not later
     model, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
     with args.main_process_first(desc="dataset tokenization"):
         train_ds, eval_ds, raw_eval = build_datasets(data_args, tokenizer, seed=args.seed)
@@ -55,9 +56,20 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         data_collator=DataCollatorForCausalLM(tokenizer.pad_token_id, pad_to_multiple_of=sft_args.pad_to_multiple_of),
         processing_class=tokenizer,
     )
+    use_console(trainer)  # one progress bar and compact lines instead of the Trainer's printed dicts
+    if trainer.is_world_process_zero():
+        micro = f"{args.per_device_train_batch_size} sequences"
+        if args.max_tokens_per_batch:
+            micro = f"up to {args.max_tokens_per_batch:,} tokens"
+        write(f"model  {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+        write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out examples")
+        write(f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)")
     before = trainer.evaluate()
-    train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)  # "last": newest complete one
-    after = trainer.evaluate()
+    train_result = trainer.train(resume_from_checkpoint=resume)  # "last": the newest complete checkpoint
+    # With eval_strategy "steps" the Trainer has just evaluated the last step; evaluate only if it did not.
+    step = trainer.state.global_step
+    final = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] == step and step > 0]
+    after = final[-1] if final else trainer.evaluate()
     trainer.save_model()
 
     metrics = {
@@ -71,47 +83,53 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
     if trainer.is_world_process_zero():
         if sft_args.num_exact_match_examples and "messages" in raw_eval.column_names:
             conversations = raw_eval["messages"][: sft_args.num_exact_match_examples]
+            write(f"exact match: answering {len(conversations)} held-out prompts greedily")
             score, samples = exact_match_on_conversations(
                 trainer.model, tokenizer, conversations, max_new_tokens=sft_args.max_new_tokens
             )
             metrics["exact_match"] = score
-            metrics["samples"] = [{"prompt": p[-1]["content"], "reference": r, "answer": a} for p, r, a in samples[:8]]
+            metrics["samples"] = [
+                {"prompt": " / ".join(m["content"] for m in p if m["role"] == "user"), "reference": r, "answer": a}
+                for p, r, a in samples
+            ]
             if "task" in raw_eval.column_names:  # the embedded data names its tasks: which ones were learned
-                metrics["exact_match_by_task"] = exact_match_by_task(raw_eval["task"], samples)
+                tasks = raw_eval["task"][: len(samples)]
+                metrics["exact_match_by_task"] = exact_match_by_group(tasks, samples)
+                for sample, task in zip(metrics["samples"], tasks, strict=True):
+                    sample["task"] = task
         metrics["wall_time_s"] = round(time.perf_counter() - start, 1)
         write_json(metrics, Path(args.output_dir) / "metrics.json")
         save_loss_curve(trainer.state.log_history, Path(args.output_dir) / "loss_curve.png")
-        print_summary(metrics, args.output_dir)
+        write(format_summary(metrics, args.output_dir))
     return metrics
 
 
-def print_summary(metrics: dict, output_dir: str) -> None:
+def format_summary(metrics: dict, output_dir: str) -> str:
     lines = [
         "",
         "=== hfacc SFT summary ===",
         f"optimizer steps      {metrics['steps']}  (world size {metrics['world_size']})",
-        f"eval loss            {metrics['eval_loss_before']:.3f} -> {metrics['eval_loss_after']:.3f}"
-        f"  ({metrics['eval_loss_after'] / metrics['eval_loss_before']:.2f}x)",
+        f"eval loss            {metrics['eval_loss_before']:.3f} -> {metrics['eval_loss_after']:.3f}",
     ]
     if metrics.get("eval_token_accuracy_after") is not None:
         lines.append(f"eval token accuracy  {metrics['eval_token_accuracy_after']:.3f}")
     if "exact_match" in metrics:
-        lines.append(f"exact match          {metrics['exact_match']:.3f} on held-out prompts")
-        by_task = metrics.get("exact_match_by_task", {})
+        lines.append(
+            f"exact match          {metrics['exact_match']:.3f} on {len(metrics['samples'])} held-out prompts"
+        )
+        by_task = sorted(metrics.get("exact_match_by_task", {}).items(), key=lambda kv: -kv[1])
         if by_task:
-            lines.append(
-                "  by task: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_task.items(), key=lambda x: -x[1]))
-            )
-        lines += [f"  {s['prompt']!r} -> {s['answer']!r} (want {s['reference']!r})" for s in metrics["samples"][:4]]
+            lines.append("  by task: " + ", ".join(f"{task} {score:.2f}" for task, score in by_task))
+        # One answer per task (or the first few): what the model now does, right or wrong.
+        first = {}
+        for i, s in enumerate(metrics["samples"]):
+            first.setdefault(s.get("task", i), s)
+        for s in list(first.values())[:8]:
+            mark = "ok " if s["answer"] == s["reference"] else "bad"
+            wrong = "" if s["answer"] == s["reference"] else f"  (want {s['reference']!r})"
+            lines.append(f"  {mark} {s['prompt']!r} -> {s['answer']!r}{wrong}")
     lines += [f"wall time            {metrics['wall_time_s']} s", f"outputs              {output_dir}", ""]
-    print("\n".join(lines), flush=True)
-
-
-def exact_match_by_task(tasks: list[str], samples: list) -> dict[str, float]:
-    hits: dict[str, list[bool]] = {}
-    for task, (_, reference, answer) in zip(tasks, samples, strict=False):
-        hits.setdefault(task, []).append(answer == reference)
-    return {task: sum(v) / len(v) for task, v in hits.items()}
+    return "\n".join(lines)
 
 
 def default_config(argv: list[str]) -> Path | None:
@@ -120,7 +138,5 @@ def default_config(argv: list[str]) -> Path | None:
 
 
 if __name__ == "__main__":
-    parsed = parse_args(
-        [SFTArguments, ModelArguments, DataArguments, TokenWeightedArguments], default_config=default_config(sys.argv)
-    )
-    main(*parsed)
+    types = [SFTArguments, ModelArguments, DataArguments, TokenWeightedArguments]
+    sys.exit(run_recipe(main, types, default_config(sys.argv)))
