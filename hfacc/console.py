@@ -223,6 +223,11 @@ def setup_console(args=None) -> None:
     if not getattr(args, "deepspeed", None) and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false") != "true":
         # DeepSpeed, when installed, is imported as a side effect and warns that it picked the CPU; not our run's news.
         logging.getLogger("DeepSpeed").addFilter(lambda record: record.levelno >= logging.ERROR)
+    # Two checkpoints saved within a second (a short run): transformers says it orders them by step instead of mtime,
+    # which is the right order anyway.
+    logging.getLogger("transformers.trainer_utils").addFilter(
+        lambda record: "mtime may not" not in record.getMessage()
+    )
 
 
 def use_console(trainer) -> None:
