@@ -6,11 +6,12 @@
   the reason written there (it needs the Hub, it is the long main job CI runs, ...), after a dry check of what can
   be checked offline (its flags parse against the recipe, the files it names exist). A command that is not in
   COMMANDS fails: whoever adds one to the docs decides here whether it runs.
-- ```text / ```console blocks are output; ```yaml blocks must parse. A block without a language fails.
+- ```text / ```console blocks are output; ```yaml and ```json blocks must parse. A block without a language fails.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -94,6 +95,18 @@ COMMANDS = {
         "skip",
         "the main job on two processes (~5 min); tests/test_recipe.py runs it shortened through the same config",
     ),
+    "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/sft.py --config "
+    "recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
+        "skip",
+        "needs GPUs (accelerate gives CPU processes DDP) and the Hub; tests/test_engines.py launches fsdp2.yaml on 2 "
+        "CPU processes",
+    ),
+    "accelerate launch --config_file accelerate_configs/multi_node_ddp.yaml --machine_rank 1 recipes/sft.py --config "
+    "recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
+        "skip",
+        "needs a second machine and the Hub; tests/test_engines.py starts multi_node_ddp.yaml as 2 machine ranks on "
+        "this host",
+    ),
 }
 
 SHELL_BLOCKS = [b for b in BLOCKS if b[2] in ("bash", "sh", "shell")]
@@ -103,13 +116,15 @@ SHELL_COMMANDS = [(block, command) for block in SHELL_BLOCKS for command in comm
 def test_every_block_has_a_language_this_test_handles():
     import yaml
 
-    known = {"python", "bash", "sh", "shell", "yaml", *OUTPUT_LANGUAGES}
+    known = {"python", "bash", "sh", "shell", "yaml", "json", *OUTPUT_LANGUAGES}
     unknown = [block_id(b) for b in BLOCKS if b[2] not in known]
     assert not unknown, f"fenced blocks without a language this test runs or recognizes: {unknown}"
     assert any(b[2] == "python" for b in BLOCKS) and SHELL_COMMANDS  # the extraction found the README's blocks
     for block in BLOCKS:
         if block[2] == "yaml":
             yaml.safe_load(block[3])  # a config shown in the docs must at least parse
+        if block[2] == "json":
+            json.loads(block[3])  # a row shown in the docs must be one a user can paste
 
 
 def test_every_documented_command_has_a_decision():

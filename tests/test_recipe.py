@@ -125,7 +125,7 @@ def test_trains_on_a_tool_calling_dataset_with_a_qwen_style_template(tmp_path, c
         "--tokenizer_name_or_path", str(tmp_path / "tokenizer"), "--embedded_hidden_size", "64",
         "--embedded_num_layers", "1", "--max_length", "1024", "--max_steps", "4", "--per_device_train_batch_size", "4",
         "--gradient_accumulation_steps", "2", "--eval_steps", "4", "--save_steps", "4", "--logging_steps", "1",
-        "--num_exact_match_examples", "0", "--warmup_steps", "0", "--disable_tqdm", "true",
+        "--num_exact_match_examples", "0", "--warmup_steps", "0", "--disable_tqdm", "true", "--log_level", "info",
     ]  # fmt: skip
     with caplog.at_level(logging.INFO, logger="hfacc"):
         metrics = module.main(*parse_args(recipe_types(module), argv))
