@@ -25,17 +25,6 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 OUTPUT_LANGUAGES = {"text", "console", "output"}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: on 2 shared cores, synchronizing torch's threads costs more than they compute."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def fenced_blocks(path: Path) -> list[tuple[int, str, str]]:
     """``(line, language, code)`` of every fenced block of a Markdown file (``` fences, at any indentation)."""
     blocks, lines = [], path.read_text().splitlines()

@@ -41,15 +41,6 @@ TOL = 1e-6
 COLLATE = DataCollatorForCausalLM(pad_token_id=0)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: on 2 shared cores, synchronizing torch's threads costs more than they compute."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def llama():
     return build_tiny_llama(vocab_size=VOCAB)
 

@@ -32,15 +32,6 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from hfacc import TokenWeightedArguments, TokenWeightedTrainer
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: on 2 shared cores, synchronizing torch's threads costs more than they compute."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---- trainer_test_utils.py, as in transformers ----------------------------------------------------------------
 class StoreLossCallback(TrainerCallback):
     def __init__(self):
