@@ -142,7 +142,7 @@ class SFTStream(torch.utils.data.IterableDataset):
     def _drop(self, where: str, why: str) -> None:
         self.dropped += 1
         if self.dropped in (1, 10, 100, 1000) or self.dropped % 10_000 == 0:  # the map-style path counts them too
-            logger.warning("hfacc: stream row %s was dropped: %s (%d dropped so far).", where, why, self.dropped)
+            logger.warning("hfacc: row %s was dropped: %s (%d dropped so far).", where, why, self.dropped)
         return None
 
     def __iter__(self) -> Iterator[dict[str, list[int]]]:
@@ -237,15 +237,23 @@ class StreamBatches(torch.utils.data.IterableDataset):
                     read += 1
                     if example is not None:
                         examples.append(example)
-                for i, batch in enumerate(self._cut(examples, epoch, rows)):
+                # After the buffer's last micro-batch the position is the next buffer's start: a resume there
+                # tokenizes nothing twice. Elsewhere it is this buffer's start and the micro-batches done.
+                after = source.state_dict() if not exhausted else None
+                end = {"epoch": epoch, "source": after, "rows": rows + read, "done": 0}
+                if exhausted:
+                    end = {"epoch": epoch + 1, "source": None, "rows": 0, "done": 0}
+                cut = self._cut(examples, epoch, rows)
+                for i, batch in enumerate(cut):
                     produced = True
                     if i < done:
                         continue
                     position = {"epoch": epoch, "source": source_state, "rows": rows, "done": i + 1}
+                    if i == len(cut) - 1:
+                        position = dict(end)
                     position.update(rank=self.rank, world_size=self.world_size)
                     yield {**self.collator(batch), STATE_KEY: position}
-                done, rows = 0, rows + read
-                source_state = None if exhausted else source.state_dict()
+                done, rows, source_state = 0, rows + read, after
             if not produced and not rows:
                 raise DataError(
                     f"rank {self.rank}'s share of the stream holds no usable example (every row was dropped or "
@@ -376,7 +384,7 @@ def build_stream_datasets(args, tokenizer, seed: int = 0):
 
 def check_stream_training(args) -> None:
     """A stream has no length: training needs ``max_steps`` (the Trainer would stop with a less helpful error)."""
-    if args.max_steps is None or args.max_steps <= 0:
+    if args is not None and args.max_steps <= 0:
         raise DataError(
             "Streaming data has no length, so the number of steps cannot come from num_train_epochs: set max_steps "
             "(recipe: --max_steps N; N optimizer steps of per_device_train_batch_size x gradient_accumulation_steps "

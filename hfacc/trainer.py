@@ -33,6 +33,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .batching import TokenBudgetBatchSampler, check_packing, is_packed
 from .checkpoint import mark_checkpoint_complete, resolve_checkpoint, rotate_checkpoints
+from .data import DataError
 from .loss import IGNORE_INDEX, NORMALIZATIONS, LossSums, WindowCounts, sums_per_row
 from .objective import (
     OBJECTIVES,
@@ -215,6 +216,9 @@ class TokenWeightedTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, objective: Objective | str | None = None, **kwargs):
+        # Before the stock __init__, whose own error for a dataset without length does not say what to set.
+        if isinstance(kwargs.get("train_dataset", args[3] if len(args) > 3 else None), SFTStream):
+            check_stream_training(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         validate_settings(self.args)
         self.normalization = getattr(self.args, "normalization", "token")
@@ -248,8 +252,6 @@ class TokenWeightedTrainer(Trainer):
                 "is the same; the memory saving is not there.",
                 self.accelerator.num_processes,
             )
-        if isinstance(self.train_dataset, SFTStream):
-            check_stream_training(self.args)
         self._stream_batches: StreamBatches | None = None
         self._stream_position: dict | None = None  # after the last micro-batch trained on
         self._stream_resume: str | None = None
@@ -342,9 +344,10 @@ class TokenWeightedTrainer(Trainer):
     # ---- counting: once per window --------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
         """Collect the window's micro-batches and count their targets over all ranks (one collective)."""
-        batch_samples = list(islice(epoch_iterator, num_batches))
-        if self._stream_batches is not None:  # where the stream stands once this window is trained
-            self._stream_position = take_stream_position(batch_samples) or self._stream_position
+        if self._stream_batches is not None:
+            batch_samples = self._read_stream_window(epoch_iterator, num_batches)
+        else:
+            batch_samples = list(islice(epoch_iterator, num_batches))
         self._repeated_batches = self._drop_repeated_examples(batch_samples)
         # The Trainer holds these for the whole window anyway; the audit recomputes the window from them.
         self.window_batches = [b for j, b in enumerate(batch_samples) if j not in self._repeated_batches]
@@ -356,6 +359,25 @@ class TokenWeightedTrainer(Trainer):
         self._window_left = len(batch_samples)
         self.meter.start_window()
         return batch_samples, self.window.num_targets
+
+    def _read_stream_window(self, epoch_iterator: Iterator, num_batches: int) -> list:
+        """The window's micro-batches of a stream; a bad row stops every rank, each with one message.
+
+        A bad row is found by the one rank that reads it. Raising there alone would leave the others waiting in the
+        window's count all-reduce until they time out or die with a traceback, so the ranks first agree (one tiny
+        collective per window, only for streams on several ranks).
+        """
+        error = None
+        try:
+            batch_samples = list(islice(epoch_iterator, num_batches))
+        except DataError as err:
+            error, batch_samples = err, []
+        if not all_ranks_agree(error is None, self.accelerator):
+            raise error or DataError(
+                "another process stopped on a bad row of the stream (its message names the row); stopping too."
+            )
+        self._stream_position = take_stream_position(batch_samples) or self._stream_position  # after this window
+        return batch_samples
 
     def _drop_repeated_examples(self, batch_samples: list) -> set[int]:
         """Keep the examples accelerate repeats at the end of an epoch out of the window; return all-repeat batches.
