@@ -339,7 +339,13 @@ class TokenWeightedTrainer(Trainer):
                 "streaming run of hfacc. Resume it without --streaming, or start afresh."
             )
         self._stream_batches = batches
-        return DataLoader(batches, batch_size=None, collate_fn=identity, num_workers=self.args.dataloader_num_workers)
+        if self.args.dataloader_num_workers:
+            # Each worker would hold a copy of the stream and read all of it: every example several times.
+            logger.warning(
+                "hfacc: a stream is read in the training process; dataloader_num_workers=%d is not used for it.",
+                self.args.dataloader_num_workers,
+            )
+        return DataLoader(batches, batch_size=None, collate_fn=identity)
 
     # ---- counting: once per window --------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):

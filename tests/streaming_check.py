@@ -51,9 +51,18 @@ def make_model(tokenizer):
 
 
 def sequences(batch):
-    """The real token ids of each row of a padded micro-batch."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    return [ids[r][mask[r].bool()].tolist() for r in range(ids.shape[0])]
+    """The token ids of each sequence of a micro-batch: padded rows, or packed rows (split where positions restart;
+    the collator's filler at the end of a row, which has no target, left out)."""
+    ids = batch["input_ids"]
+    if "attention_mask" in batch:
+        return [ids[r][batch["attention_mask"][r].bool()].tolist() for r in range(ids.shape[0])]
+    out = []
+    for r in range(ids.shape[0]):
+        starts = (batch["position_ids"][r] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+        for a, b in zip(starts[:-1], starts[1:], strict=True):
+            if (batch["labels"][r, a + 1 : b] != -100).any():
+                out.append(ids[r, a:b].tolist())
+    return out
 
 
 def build_trainer(model, stream, tokenizer, out, **settings):
@@ -100,11 +109,13 @@ def gather(value):
     return out
 
 
-def exactness_case(tokenizer, rows, out, **settings):
+def exactness_case(tokenizer, rows, out, packing=False, **settings):
     """One optimizer step: the gradient against the full batch over the window's examples of every rank."""
     reference = reference_examples(rows, tokenizer)
     model = make_model(tokenizer)
-    trainer, capture, windows = build_trainer(model, make_stream(rows, tokenizer), tokenizer, out, **settings)
+    stream = make_stream(rows, tokenizer)
+    stream.pack_length = MAX_LENGTH if packing else None
+    trainer, capture, windows = build_trainer(model, stream, tokenizer, out, **settings)
     trainer.train()
     per_rank = gather(windows[0])
     seen = [s for rank in per_rank for s in rank]
@@ -114,6 +125,7 @@ def exactness_case(tokenizer, rows, out, **settings):
     return {
         "grad_error": relative_error(capture.grads[0], grad),
         "indices_per_rank": [[index[tuple(s)] for s in rank] for rank in per_rank],
+        "packed_rows": all("attention_mask" not in b for b in trainer.window_batches),
     }
 
 
@@ -152,6 +164,7 @@ def main(out_dir: str) -> None:
     results = {}
     results["fixed"] = exactness_case(tokenizer, rows, out / "fixed")
     results["budget"] = exactness_case(tokenizer, rows, out / "budget", max_tokens_per_batch=160)
+    results["packing"] = exactness_case(tokenizer, rows, out / "packing", packing=True)
     results["resume"] = resume_case(tokenizer, rows, out / "resume")
     results["resume budget"] = resume_case(tokenizer, rows, out / "resume_budget", max_tokens_per_batch=160)
     results["world_size"] = dist.get_world_size() if dist.is_initialized() else 1

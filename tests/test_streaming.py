@@ -121,14 +121,16 @@ def test_training_a_stream_needs_max_steps(tokenizer, rows, tmp_path):
         )
 
 
-@pytest.mark.parametrize("budget", [0, 160])
-def test_one_process_window_is_the_big_batch(tokenizer, rows, tmp_path, budget):
+@pytest.mark.parametrize("budget,packing", [(0, False), (160, False), (0, True)])
+def test_one_process_window_is_the_big_batch(tokenizer, rows, tmp_path, budget, packing):
     result = check.exactness_case(
-        tokenizer, rows, tmp_path, max_tokens_per_batch=budget, gradient_accumulation_steps=4
+        tokenizer, rows, tmp_path, packing=packing, max_tokens_per_batch=budget, gradient_accumulation_steps=4
     )
     assert result["grad_error"] <= TOL
-    if not budget:  # consecutive examples of the stream
-        assert result["indices_per_rank"] == [list(range(8))]
+    seen = result["indices_per_rank"][0]
+    if not (budget or packing):  # consecutive examples of the stream
+        assert seen == list(range(8))
+    assert result["packed_rows"] == packing and len(seen) >= 8  # packed: 2 rows of 64 tokens per micro-batch
 
 
 @pytest.mark.parametrize("budget", [0, 160])
@@ -167,7 +169,7 @@ def test_two_ranks_split_the_stream_without_duplicates_or_gaps(two_ranks):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", ["fixed", "budget"])
+@pytest.mark.parametrize("case", ["fixed", "budget", "packing"])
 def test_two_ranks_window_is_the_big_batch(two_ranks, case):
     assert two_ranks[case]["grad_error"] <= TOL
 
