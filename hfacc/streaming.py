@@ -117,6 +117,10 @@ class SFTStream(torch.utils.data.IterableDataset):
         self.max_length, self.last_turn_only, self.truncation = max_length, last_turn_only, truncation
         self.buffer_size = buffer_size
         self.pack_length: int | None = None
+        # datasets shares a skip()/take() out among the shards when a rank reads whole shards (skip(3) over 2 ranks
+        # skips 1 or 2 rows of each), so held-out rows would be trained and others skipped: such a stream is split
+        # row by row, where they apply to the stream as a whole.
+        self.split_by_rows = False
         self.dropped = self.truncated = 0
 
     def __repr__(self) -> str:
@@ -193,8 +197,9 @@ class StreamBatches(torch.utils.data.IterableDataset):
         # split_dataset_by_node gives each rank whole shards when their number divides by the world size, else
         # every world_size-th row (each rank reads the rest and throws it away before tokenizing). It also makes a
         # fresh dataset object for each pass: a state loaded into one would apply to every later iteration.
-        self.by_shards = world_size > 1 and stream.source.n_shards % world_size == 0
-        self.split = lambda: split_dataset_by_node(stream.source, rank, world_size)
+        self.by_shards = world_size > 1 and stream.source.n_shards % world_size == 0 and not stream.split_by_rows
+        strategy = "shards" if self.by_shards else "examples"
+        self.split = lambda: split_dataset_by_node(stream.source, rank, world_size, strategy=strategy)
         self.start: dict[str, Any] | None = None  # where to resume, from a checkpoint
         self.restarts_said = False
 
@@ -371,6 +376,7 @@ def build_stream_datasets(args, tokenizer, seed: int = 0):
     options = args.sft_options()
     num_proc = options.pop("num_proc")
     train = build_sft_stream(raw_train, tokenizer, buffer_size=args.stream_buffer_size, **options)
+    train.split_by_rows = True  # the held-out rows were skip()ped (and max_examples take()n): see SFTStream
     if args.packing:
         train.pack_length = args.max_length
     logger.info(

@@ -266,3 +266,29 @@ def test_recipe_streams_on_two_processes_and_a_bad_row_is_one_message(tmp_path, 
     # No rank's traceback; torch's elastic launcher adds one of its own (ChildFailedError) even with -q.
     assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.count("Traceback") <= 1 and "hfacc/" not in proc.stderr.split("Traceback")[-1]
+
+
+def test_a_sharded_stream_with_held_out_rows_is_split_row_by_row(tokenizer):
+    """datasets shares skip(n) out among the shards each rank reads: held-out rows would be trained, others lost."""
+
+    def generate(shards):
+        for s in shards:
+            for i in range(5):
+                yield {"text": f"shard {s} row {i}"}
+
+    source = IterableDataset.from_generator(generate, gen_kwargs={"shards": [0, 1, 2, 3]}).skip(3)
+    for split_by_rows in (False, True):
+        stream = build_sft_dataset(source, tokenizer, max_length=32)
+        stream.split_by_rows = split_by_rows
+        seen = []
+        for rank in range(2):
+            batches = StreamBatches(stream, lambda examples: {"examples": examples}, rank=rank, world_size=2)
+            for batch in batches:
+                if batch[STATE_KEY]["epoch"] > 0:
+                    break
+                seen.append(tokenizer.decode(batch["examples"][0]["input_ids"][:-1]))
+        expected = [f"shard {s} row {i}" for s in range(4) for i in range(5)][3:]
+        if split_by_rows:  # what load_stream_source sets for the held-out rows: none trained, none lost
+            assert sorted(seen) == sorted(expected)
+        else:  # whole shards per rank: datasets' skip(3) became 1 or 2 rows of each rank's shards
+            assert sorted(seen) != sorted(expected)
