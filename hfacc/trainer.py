@@ -334,7 +334,7 @@ class TokenWeightedTrainer(Trainer):
             world_size=self.args.world_size,
         )
         if self._stream_resume is not None and not load_stream_state(batches, self._stream_resume):
-            raise ValueError(
+            raise DataError(
                 f"{self._stream_resume} holds no stream position for rank {batches.rank}: it was not saved by a "
                 "streaming run of hfacc. Resume it without --streaming, or start afresh."
             )
