@@ -292,3 +292,18 @@ def test_a_sharded_stream_with_held_out_rows_is_split_row_by_row(tokenizer):
             assert sorted(seen) == sorted(expected)
         else:  # whole shards per rank: datasets' skip(3) became 1 or 2 rows of each rank's shards
             assert sorted(seen) != sorted(expected)
+
+
+def test_map_style_tokenization_uses_several_processes_when_large_and_says_how_long(
+    tokenizer, rows, monkeypatch, caplog
+):
+    import hfacc.data
+
+    monkeypatch.setattr(hfacc.data, "PARALLEL_ROWS", 16)  # "large", for this test
+    monkeypatch.setattr(hfacc.data.os, "cpu_count", lambda: 2)
+    data = Dataset.from_list(rows[:32])
+    with caplog.at_level("INFO", logger="hfacc.data"):
+        parallel = build_sft_dataset(data, tokenizer, max_length=64)
+    assert "tokenized 32 messages rows in" in caplog.text and "(2 processes)" in caplog.text
+    single = build_sft_dataset(data, tokenizer, max_length=64, num_proc=1)
+    assert parallel["input_ids"] == single["input_ids"] and parallel["labels"] == single["labels"]
