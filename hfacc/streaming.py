@@ -138,6 +138,14 @@ class SFTStream(torch.utils.data.IterableDataset):
             self.truncated += 1
             if self.truncation == "drop":
                 return self._drop(where, f"it has {len(ids)} tokens, more than max_length={self.max_length}")
+            if _worth_saying(self.truncated):  # as the map-style path counts them, without a total to give
+                logger.warning(
+                    "hfacc: row %s has %d tokens, more than max_length=%d: its end is cut (%d rows so far).",
+                    where,
+                    len(ids),
+                    self.max_length,
+                    self.truncated,
+                )
             ids, labels = ids[: self.max_length], labels[: self.max_length]
         if not any(y != IGNORE_INDEX for y in labels[1:]):
             return self._drop(where, "it has no target token (after truncation)")
@@ -145,7 +153,7 @@ class SFTStream(torch.utils.data.IterableDataset):
 
     def _drop(self, where: str, why: str) -> None:
         self.dropped += 1
-        if self.dropped in (1, 10, 100, 1000) or self.dropped % 10_000 == 0:  # the map-style path counts them too
+        if _worth_saying(self.dropped):  # the map-style path counts them too
             logger.warning("hfacc: row %s was dropped: %s (%d dropped so far).", where, why, self.dropped)
         return None
 
@@ -154,6 +162,11 @@ class SFTStream(torch.utils.data.IterableDataset):
             example = self.encode(row, _where(row, i, 0, 1, 0))
             if example is not None:
                 yield example
+
+
+def _worth_saying(count: int) -> bool:
+    """Say the 1st, 10th, 100th, 1000th, then every 10,000th: a stream has no end to give one total at."""
+    return count in (1, 10, 100, 1000) or count % 10_000 == 0
 
 
 def _where(row: Mapping[str, Any], local: int, rank: int, world: int, epoch: int, by_shards: bool = False) -> str:
