@@ -12,6 +12,8 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import os
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +32,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "ipython")
 # transformers does (Qwen3, GLM-4, DeepSeek-R1 read ``reasoning_content``; GPT-OSS, LFM2.5 read ``thinking``).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 TRUNCATIONS = ("right", "drop", "error")
+PARALLEL_ROWS = 10_000  # from this many rows on, map-style tokenization uses several processes by default
 
 
 class DataError(ValueError):
@@ -81,7 +84,10 @@ def build_sft_dataset(
         last_turn_only: for chat data, train on the last assistant turn only (default: every assistant turn).
         truncation: what to do with an example longer than ``max_length``: ``"right"`` cuts its end, ``"drop"``
             removes it, ``"error"`` stops. Either way the count is reported in one log line.
-        num_proc: processes for ``datasets.map``.
+        num_proc: processes for ``datasets.map`` (None: up to 8, one per core, from PARALLEL_ROWS rows on).
+
+    A ``datasets.IterableDataset`` (``load_dataset(..., streaming=True)``, a generator) is not read here: the
+    result is an :class:`hfacc.streaming.SFTStream` that tokenizes and masks each row as training reads it.
 
     Returns:
         A ``datasets.Dataset`` with ``input_ids``, ``attention_mask`` and ``labels``. Loss goes to the completion
@@ -92,6 +98,17 @@ def build_sft_dataset(
     >>> build_sft_dataset(ds, tokenizer)[0]["labels"]                               # doctest: +SKIP
     [-100, -100, -100, 19, 2]
     """
+    if _is_stream(dataset):  # a streamed dataset: tokenized lazily, as training reads it
+        from .streaming import build_sft_stream
+
+        return build_sft_stream(
+            dataset,
+            tokenizer,
+            max_length=max_length,
+            format=format,
+            last_turn_only=last_turn_only,
+            truncation=truncation,
+        )
     if format == "auto":
         format = detect_format(dataset.column_names)
     if format not in FORMATS:
@@ -138,12 +155,23 @@ def build_sft_dataset(
             "_unclosed": unclosed,
         }
 
+    if num_proc is None and len(dataset) >= PARALLEL_ROWS:
+        num_proc = min(os.cpu_count() or 1, 8)
+    num_proc = num_proc if num_proc and num_proc > 1 else None
+    started = time.perf_counter()
     encoded = dataset.map(
         encode,
         with_indices=True,
         remove_columns=dataset.column_names,
         num_proc=num_proc,
         desc=f"Tokenizing ({format})",
+    )
+    logger.info(
+        "hfacc: tokenized %d %s rows in %.1f s (%s).",
+        len(dataset),
+        format,
+        time.perf_counter() - started,
+        f"{num_proc} processes" if num_proc else "1 process",
     )
     too_long = sum(encoded["_too_long"])
     log_masking(encoded["_masking"], encoded["_unclosed"])
@@ -402,6 +430,12 @@ def _string(row: Mapping[str, Any], field: str, index: int, allow_empty: bool = 
     return value
 
 
+def _is_stream(dataset: Any) -> bool:
+    import datasets
+
+    return isinstance(dataset, datasets.IterableDataset)
+
+
 def _is_conversation(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len(value) > 0 and isinstance(value[0], Mapping)
 
@@ -594,6 +628,32 @@ class DataArguments:
     last_turn_only: bool = field(
         default=False, metadata={"help": "Chat data: train on the last assistant turn only (default: all of them)."}
     )
+    streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Stream the dataset (hub or local file) instead of loading and tokenizing it all first: rows are "
+            "tokenized as training reads them, sharded over the processes, and a resumed run continues exactly where "
+            "the checkpoint left the stream. Needs max_steps. Evaluation holds out the first stream_eval_examples "
+            "rows (or reads them from dataset_eval_split)."
+        },
+    )
+    stream_buffer_size: int = field(
+        default=1000,
+        metadata={
+            "help": "Streaming: examples read ahead to cut max_tokens_per_batch micro-batches or to pack (memory "
+            "grows with it, not with the stream)."
+        },
+    )
+    stream_eval_examples: int = field(
+        default=200, metadata={"help": "Streaming: rows held out (never trained on) for evaluation."}
+    )
+    num_proc: int | None = field(
+        default=None,
+        metadata={
+            "help": "Processes that tokenize a map-style dataset. None: one per core (up to 8) from 10,000 rows on, "
+            "else one."
+        },
+    )
     packing: bool = field(
         default=False,
         metadata={
@@ -609,6 +669,12 @@ class DataArguments:
             raise ValueError(f"max_examples={self.max_examples}: it must be >= 1 (or unset).")
         if self.packing and self.max_length is None:
             raise ValueError("packing=True needs max_length: it is the length of the packed rows.")
+        if self.stream_buffer_size < 1:
+            raise ValueError(f"stream_buffer_size={self.stream_buffer_size}: it must be >= 1.")
+        if self.stream_eval_examples < 1:
+            raise ValueError(f"stream_eval_examples={self.stream_eval_examples}: it must be >= 1.")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise ValueError(f"num_proc={self.num_proc}: it must be >= 1 (or unset: chosen from the size).")
 
     def sft_options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`build_sft_dataset` these settings stand for."""
@@ -617,11 +683,16 @@ class DataArguments:
             format=self.dataset_format,
             last_turn_only=self.last_turn_only,
             truncation=self.truncation,
+            num_proc=self.num_proc,
         )
 
 
 def build_datasets(args: DataArguments, tokenizer, seed: int = 0):
     """``(train, eval, raw_eval)``: tokenized, masked train/eval datasets and the raw held-out rows."""
+    if args.streaming:  # train is an hfacc.streaming.SFTStream, tokenized as it is read
+        from .streaming import build_stream_datasets
+
+        return build_stream_datasets(args, tokenizer, seed=seed)
     raw_train, raw_eval = load_sft_source(
         args.dataset_name,
         config=args.dataset_config,

@@ -33,6 +33,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .batching import TokenBudgetBatchSampler, check_packing, is_packed
 from .checkpoint import mark_checkpoint_complete, resolve_checkpoint, rotate_checkpoints
+from .data import DataError
 from .loss import IGNORE_INDEX, NORMALIZATIONS, LossSums, WindowCounts, sums_per_row
 from .objective import (
     OBJECTIVES,
@@ -45,6 +46,15 @@ from .objective import (
     get_objective,
 )
 from .padding_free import check_padding_free, padding_free_problem, remove_padding, uses_one_row
+from .streaming import (
+    SFTStream,
+    StreamBatches,
+    check_stream_training,
+    identity,
+    load_stream_state,
+    save_stream_state,
+    take_stream_position,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +216,9 @@ class TokenWeightedTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     def __init__(self, *args, objective: Objective | str | None = None, **kwargs):
+        # Before the stock __init__, whose own error for a dataset without length does not say what to set.
+        if isinstance(kwargs.get("train_dataset", args[3] if len(args) > 3 else None), SFTStream):
+            check_stream_training(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         validate_settings(self.args)
         self.normalization = getattr(self.args, "normalization", "token")
@@ -239,6 +252,9 @@ class TokenWeightedTrainer(Trainer):
                 "is the same; the memory saving is not there.",
                 self.accelerator.num_processes,
             )
+        self._stream_batches: StreamBatches | None = None
+        self._stream_position: dict | None = None  # after the last micro-batch trained on
+        self._stream_resume: str | None = None
         # A plain nn.Module without a `labels` argument would have its labels column removed by the Trainer.
         if not self.label_names:
             self.label_names = ["labels"]
@@ -267,6 +283,8 @@ class TokenWeightedTrainer(Trainer):
     def get_train_dataloader(self) -> DataLoader:
         """Stock dataloader, or micro-batches built to ``max_tokens_per_batch`` padded tokens when it is set."""
         budget = getattr(self.args, "max_tokens_per_batch", 0)
+        if isinstance(self.train_dataset, SFTStream):
+            return self._get_stream_dataloader(budget)
         if not budget:
             return super().get_train_dataloader()
         dataset, collator = self.train_dataset, self.data_collator
@@ -300,10 +318,42 @@ class TokenWeightedTrainer(Trainer):
         )
         return self.accelerator.prepare(loader)
 
+    def _get_stream_dataloader(self, budget: int) -> DataLoader:
+        """This rank's micro-batches of a stream, sharded by hfacc.streaming, not by accelerate.
+
+        Not passed to ``accelerator.prepare``: for an iterable dataset it would either dispatch (rank 0 reads for
+        every rank) or shard it again; the Trainer puts each batch on the device itself (``_prepare_inputs``).
+        """
+        batches = StreamBatches(
+            self.train_dataset,
+            self.data_collator,
+            batch_size=self.args.per_device_train_batch_size,
+            max_tokens=budget,
+            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+            rank=self.args.process_index,
+            world_size=self.args.world_size,
+        )
+        if self._stream_resume is not None and not load_stream_state(batches, self._stream_resume):
+            raise DataError(
+                f"{self._stream_resume} holds no stream position for rank {batches.rank}: it was not saved by a "
+                "streaming run of hfacc. Resume it without --streaming, or start afresh."
+            )
+        self._stream_batches = batches
+        if self.args.dataloader_num_workers:
+            # Each worker would hold a copy of the stream and read all of it: every example several times.
+            logger.warning(
+                "hfacc: a stream is read in the training process; dataloader_num_workers=%d is not used for it.",
+                self.args.dataloader_num_workers,
+            )
+        return DataLoader(batches, batch_size=None, collate_fn=identity)
+
     # ---- counting: once per window --------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
         """Collect the window's micro-batches and count their targets over all ranks (one collective)."""
-        batch_samples = list(islice(epoch_iterator, num_batches))
+        if self._stream_batches is not None:
+            batch_samples = self._read_stream_window(epoch_iterator, num_batches)
+        else:
+            batch_samples = list(islice(epoch_iterator, num_batches))
         self._repeated_batches = self._drop_repeated_examples(batch_samples)
         # The Trainer holds these for the whole window anyway; the audit recomputes the window from them.
         self.window_batches = [b for j, b in enumerate(batch_samples) if j not in self._repeated_batches]
@@ -315,6 +365,25 @@ class TokenWeightedTrainer(Trainer):
         self._window_left = len(batch_samples)
         self.meter.start_window()
         return batch_samples, self.window.num_targets
+
+    def _read_stream_window(self, epoch_iterator: Iterator, num_batches: int) -> list:
+        """The window's micro-batches of a stream; a bad row stops every rank, each with one message.
+
+        A bad row is found by the one rank that reads it. Raising there alone would leave the others waiting in the
+        window's count all-reduce until they time out or die with a traceback, so the ranks first agree (one tiny
+        collective per window, only for streams on several ranks).
+        """
+        error = None
+        try:
+            batch_samples = list(islice(epoch_iterator, num_batches))
+        except DataError as err:
+            error, batch_samples = err, []
+        if not all_ranks_agree(error is None, self.accelerator):
+            raise error or DataError(
+                "another process stopped on a bad row of the stream (its message names the row); stopping too."
+            )
+        self._stream_position = take_stream_position(batch_samples) or self._stream_position  # after this window
+        return batch_samples
 
     def _drop_repeated_examples(self, batch_samples: list) -> set[int]:
         """Keep the examples accelerate repeats at the end of an epoch out of the window; return all-repeat batches.
@@ -540,7 +609,16 @@ class TokenWeightedTrainer(Trainer):
         """``Trainer.train``; ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint."""
         resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         self._undo_evaluation_preparation()
-        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        streaming = isinstance(self.train_dataset, SFTStream)
+        self._stream_resume = resume_from_checkpoint if streaming else None
+        skip = self.args.ignore_data_skip
+        # A stream resumes from the position saved in the checkpoint, not by reading and dropping every micro-batch
+        # trained before (the Trainer's skip_first_batches).
+        self.args.ignore_data_skip = skip or (streaming and resume_from_checkpoint is not None)
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.args.ignore_data_skip, self._stream_resume = skip, None
         # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
         return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
 
@@ -575,6 +653,9 @@ class TokenWeightedTrainer(Trainer):
         finally:
             self.args.save_total_limit = limit
         run_dir = self._get_output_dir(trial=trial)
+        if self._stream_batches is not None:  # each rank's own position in the stream, before the marker lists files
+            checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            save_stream_state(self._stream_batches, self._stream_position, checkpoint)
         # Every rank writes files of its own (its RNG state; shards under FSDP/DeepSpeed): the marker, which lists
         # the checkpoint's files, must wait until all of them are written.
         self.accelerator.wait_for_everyone()

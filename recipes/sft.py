@@ -62,7 +62,8 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         if args.max_tokens_per_batch:
             micro = f"up to {args.max_tokens_per_batch:,} tokens"
         write(f"model  {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-        write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out examples")
+        size = f"{len(train_ds):,}" if hasattr(train_ds, "__len__") else "streamed"  # a stream has no length
+        write(f"data   {size} training / {len(eval_ds):,} held-out examples")
         write(f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)")
     before = trainer.evaluate()
     train_result = trainer.train(resume_from_checkpoint=resume)  # "last": the newest complete checkpoint
