@@ -242,7 +242,7 @@ def check_packing(model, batch, tolerance: float = 1e-4) -> str | None:
     the wrong context. A model whose forward takes no ``position_ids`` (Bloom) cannot tell them apart at all; it
     is refused without a run. The comparison is relative to the largest logit, in fp32.
     """
-    from .objective import get_base_model, get_logits
+    from .model_io import get_base_model, get_logits
 
     problem = position_ids_problem(get_base_model(model))
     if problem:

@@ -13,7 +13,6 @@ except for :class:`ModelLossObjective`, the explicit fallback for losses hfacc c
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 from collections.abc import Callable, Mapping
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused_loss import FusedOutputHead, swap_output_head
 from .loss import (
     IGNORE_INDEX,
     LossSums,
@@ -30,12 +30,19 @@ from .loss import (
     binary_cross_entropy_sums,
     count_targets,
     cross_entropy_sums,
-    fused_linear_cross_entropy_sums,
     get_sequence_ids,
     normalize_window_loss,
     per_sequence_sums,
     shift_labels,
     squared_error_sums,
+)
+from .model_io import (
+    get_aux_loss,
+    get_base_model,
+    get_logits,
+    get_num_virtual_tokens,
+    model_inputs,
+    packed_position_ids,
 )
 
 try:  # FSDP2 and DTensor (torch >= 2.6); without them no weight is FSDP2-sharded
@@ -45,10 +52,6 @@ except ImportError:
     FSDPModule = DTensor = None
 
 logger = logging.getLogger(__name__)
-
-# Batch keys that describe targets or hfacc's bookkeeping, never model inputs. `sequence_ids` / `num_sequences`: which
-# of the batch's sequences each position belongs to (-1: none), where a layout put several in a row (padding-free).
-NON_MODEL_KEYS = ("labels", "shift_labels", "sequence_ids", "num_sequences")
 
 
 class Objective:
@@ -106,11 +109,11 @@ class CausalLMObjective(Objective):
     per packed sequence, not per row.
 
     With ``fused=True`` the output projection's forward is swapped, for the length of one forward, for one that
-    computes the loss sums from the final hidden states in chunks (:func:`hfacc.loss.fused_linear_cross_entropy_sums`),
-    so the full ``[B, T, V]`` logits never exist; the model's output then holds the loss sum where its logits would
-    be. The head module itself is still called inside the model's own forward, so DDP sees every parameter it expects
-    and FSDP2/ZeRO-3 gather its weight as usual. :func:`check_fused_loss` decides whether a model can be taken apart
-    like this.
+    computes the loss sums from the final hidden states in chunks (:mod:`hfacc.fused_loss`), so the full
+    ``[B, T, V]`` logits never exist; the model's output then holds the loss sum where its logits would be. The head
+    module itself is still called inside the model's own forward, so DDP sees every parameter it expects and
+    FSDP2/ZeRO-3 gather its weight as usual. :func:`hfacc.loss_path.choose_loss_path` decides whether a model can be
+    taken apart like this.
     """
 
     name = "causal_lm"
@@ -153,7 +156,7 @@ class CausalLMObjective(Objective):
         return outputs, sums
 
     def _fused(self, model, inputs, targets, per_sequence, sequences=None):
-        head = _FusedOutputHead(
+        head = FusedOutputHead(
             get_base_model(model).get_output_embeddings(), targets, self.chunk_size, self.label_smoothing
         )
         with swap_output_head(model, head):
@@ -198,69 +201,11 @@ def get_batch_sequences(batch: Mapping[str, Any], shape: torch.Size) -> tuple[to
     return None if positions is None else get_sequence_ids(positions.expand(shape))
 
 
-def packed_position_ids(batch: Mapping[str, Any]) -> torch.Tensor | None:
-    """The ``position_ids`` of a batch of packed rows (given, 2-D, and no ``attention_mask``), else None.
-
-    This is when transformers (5.x) looks for sequences inside a row and keeps them apart in attention.
-    """
-    positions = batch.get("position_ids")
-    if torch.is_tensor(positions) and positions.dim() == 2 and batch.get("attention_mask") is None:
-        return positions
-    return None
-
-
-class _FusedOutputHead:
-    """The output projection's ``forward`` for one model forward: it returns the loss sum instead of logits.
-
-    Only the head's ``forward`` is replaced (:func:`swap_output_head`); the head module itself stays in the model and
-    is called as usual, so every hook a distributed engine put on it runs around this code. That is what gathers a
-    sharded weight exactly as the engine does for its own forward: FSDP2 has unsharded it (the root's all-gather, or
-    the head's own when it is a separate FSDP unit), DeepSpeed ZeRO-3 has gathered its partitions, and ``weight`` is
-    read here, at call time, as the full ``[V, H]`` tensor. The engines hook their backward on the returned loss,
-    which hands the weight's gradient back to them to reduce and keep only this rank's shard.
-    """
-
-    def __init__(self, head: nn.Linear, targets: torch.Tensor, chunk_size: int, label_smoothing: float):
-        self.head, self.targets, self.chunk_size, self.label_smoothing = head, targets, chunk_size, label_smoothing
-        self.result = None
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[:-1] != self.targets.shape:
-            raise RuntimeError(
-                f"fused loss: hidden states {tuple(hidden.shape)} do not match labels {tuple(self.targets.shape)}"
-            )
-        mask = self.targets != IGNORE_INDEX
-        self.result = fused_linear_cross_entropy_sums(
-            hidden[mask],
-            self.head.weight,
-            self.head.bias,
-            self.targets[mask],
-            chunk_size=self.chunk_size,
-            label_smoothing=self.label_smoothing,
-        )
-        return self.result[0].loss
-
-
-@contextlib.contextmanager
-def swap_output_head(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]):
-    """Run ``forward`` in place of the forward of ``model``'s output projection for the duration of the block."""
-    head = get_base_model(model).get_output_embeddings()
-    own = head.__dict__.get("forward")  # a forward already set on the instance (rare) is put back afterwards
-    head.forward = forward
-    try:
-        yield head
-    finally:
-        if own is None:
-            del head.forward
-        else:
-            head.forward = own
-
-
 def fused_loss_problem(model: nn.Module) -> str | None:
     """Why ``model``'s loss cannot be fused with its output projection, or None if it can be tried.
 
     A weight sharded by FSDP2 (a ``DTensor``) or DeepSpeed ZeRO-3 (a partitioned parameter) is fine: the engine
-    gathers it for the head's forward, inside which the fused loss runs (see :class:`_FusedOutputHead`).
+    gathers it for the head's forward, inside which the fused loss runs (see :class:`hfacc.fused_loss.FusedOutputHead`).
     """
     base = get_base_model(model)
     get_head = getattr(base, "get_output_embeddings", None)
@@ -657,36 +602,6 @@ def _labels_copy_inputs(labels: torch.Tensor, input_ids: Any) -> bool:
     return bool(targets.any()) and bool((labels[targets] == input_ids[targets]).all())
 
 
-def get_num_virtual_tokens(model: nn.Module) -> int:
-    """Virtual tokens a PEFT prompt-learning model puts before the inputs (0 for any other model).
-
-    Prompt tuning, P-tuning and multitask prompt tuning prepend them to the input embeddings, so the logits have
-    that many more positions than the labels. Prefix tuning passes them as a key/value cache instead: the logits
-    keep the inputs' length and the count is 0.
-    """
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        config = getattr(model, "active_peft_config", None)
-        if config is not None:
-            if not getattr(config, "is_prompt_learning", False):
-                return 0
-            kind = str(getattr(config, "peft_type", ""))
-            if kind.endswith(("PREFIX_TUNING", "CARTRIDGE")):
-                return 0
-            if kind.endswith("CPT"):
-                raise NotImplementedError(
-                    "PEFT CPT trains on its prompt tokens with its own weighting; hfacc cannot count its targets. "
-                    "Pass objective='model_loss' (the model's own loss, averaged over micro-batches)."
-                )
-            return int(config.num_virtual_tokens)
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-    return 0
-
-
 def compute_micro_batch_loss(
     objective: Objective,
     model: nn.Module,
@@ -709,46 +624,6 @@ def compute_micro_batch_loss(
     if aux is not None:
         loss = loss + aux / max(window.num_micro_batches, 1)
     return loss, outputs, sums
-
-
-def get_aux_loss(model: nn.Module, outputs: Any) -> torch.Tensor | None:
-    """``router_aux_loss_coef * outputs.aux_loss`` for MoE models that return one, else None."""
-    if not isinstance(outputs, Mapping) or outputs.get("aux_loss") is None:
-        return None
-    coef = getattr(getattr(get_base_model(model), "config", None), "router_aux_loss_coef", 0.0) or 0.0
-    return coef * outputs["aux_loss"] if coef else None
-
-
-def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``batch`` that go to the model: everything but the labels."""
-    return {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
-
-
-def get_logits(outputs: Any) -> torch.Tensor:
-    """The logits of a model output: a ``ModelOutput``/dict (``"logits"``), a tuple (first entry) or a tensor."""
-    if torch.is_tensor(outputs):
-        return outputs
-    if isinstance(outputs, Mapping):
-        if "logits" not in outputs:
-            raise ValueError(f"The model output has no 'logits'; it has {list(outputs)}. Return logits to train it.")
-        return outputs["logits"]
-    if isinstance(outputs, (tuple, list)) and outputs and torch.is_tensor(outputs[0]):
-        return outputs[0]
-    raise TypeError(f"Cannot find logits in a model output of type {type(outputs).__name__}")
-
-
-def get_base_model(model: nn.Module) -> nn.Module:
-    """``model`` without its DDP/FSDP/compile and PEFT wrappers: the module whose class says what its head is."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "_orig_mod"):  # torch.compile
-            model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module):  # DDP, DataParallel, DeepSpeed engine
-            model = model.module
-        elif hasattr(model, "get_base_model") and callable(model.get_base_model):  # peft.PeftModel
-            model = model.get_base_model()
-    return model
 
 
 __all__ = [

@@ -24,7 +24,8 @@ from torch import nn
 
 from .batching import best_fit_decreasing, position_ids_problem
 from .loss import IGNORE_INDEX
-from .objective import CausalLMObjective, Objective, get_base_model, get_logits
+from .model_io import get_base_model, get_logits
+from .objective import CausalLMObjective, Objective
 
 
 def remove_padding(batch: Mapping[str, Any], one_row: bool = True) -> dict[str, Any] | None:

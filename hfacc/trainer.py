@@ -426,7 +426,7 @@ class TokenWeightedTrainer(Trainer):
             problem = "FSDP v1 flattens the parameters (FSDP2, fsdp_version: 2, keeps the output projection whole)"
         else:
             # DDP, DeepSpeed ZeRO-1/2 (whole parameters), FSDP2 and ZeRO-3: the engine gathers a sharded output
-            # projection for the head's forward, inside which the fused loss runs (objective._FusedOutputHead).
+            # projection for the head's forward, inside which the fused loss runs (hfacc.fused_loss.FusedOutputHead).
             problem = check_fused_loss(objective, self.model, self._prepare_inputs(batch))
         objective.fused = all_ranks_agree(problem is None, self.accelerator)
         if objective.fused:
