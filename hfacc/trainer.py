@@ -33,6 +33,17 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .batching import TokenBudgetBatchSampler, check_packing, is_packed
 from .checkpoint import mark_checkpoint_complete, resolve_checkpoint, rotate_checkpoints
+from .distributed import (
+    all_ranks_agree,
+    count_real_rows,
+    deepspeed_overflow_problem,
+    get_gradient_scale,
+    mark_for_deepspeed_skip,
+    num_rows,
+    reduce_sum,
+    take_rows,
+    trim_repeated_examples,
+)
 from .loss import IGNORE_INDEX, NORMALIZATIONS, LossSums, WindowCounts, sums_per_row
 from .objective import (
     OBJECTIVES,
@@ -163,22 +174,6 @@ def validate_settings(args: Any) -> None:
         )
     if args.per_device_train_batch_size < 1:
         raise ValueError(f"per_device_train_batch_size={args.per_device_train_batch_size}: it must be >= 1.")
-
-
-def get_gradient_scale(distributed_type: DistributedType, num_processes: int) -> int:
-    """The factor P that cancels the data-parallel backend's gradient averaging.
-
-    DDP (any ``MULTI_*`` type), FSDP (v1 and v2) and DeepSpeed all *average* gradients over the P ranks. Each rank
-    backpropagates ``S_rank / N_global * P``, so the average is ``sum over ranks of S_rank / N_global``: the global
-    token mean. DeepSpeed must additionally not divide by the accumulation steps itself: transformers' Trainer
-    passes ``scale_wrt_gas=False`` to its backward. One process (or ``torch.nn.DataParallel``, which gathers the
-    outputs before the loss) needs no factor.
-    """
-    if distributed_type == DistributedType.MEGATRON_LM:
-        raise NotImplementedError("hfacc does not support Megatron-LM, which computes the loss inside its pipeline.")
-    if distributed_type == DistributedType.NO:
-        return 1
-    return num_processes
 
 
 class TokenWeightedTrainer(Trainer):
@@ -317,31 +312,18 @@ class TokenWeightedTrainer(Trainer):
         return batch_samples, self.window.num_targets
 
     def _drop_repeated_examples(self, batch_samples: list) -> set[int]:
-        """Keep the examples accelerate repeats at the end of an epoch out of the window; return all-repeat batches.
-
-        With several ranks, accelerate (``even_batches``) fills the last batch of every rank with examples from the
-        start of the epoch, so that all ranks take the same number of steps. Stock Trainer trains those examples a
-        second time, and counts them. Here the last micro-batch is cut to its real rows; a micro-batch that holds
-        only repeats still runs (every rank must take part in the gradient all-reduce) but contributes nothing.
-        """
-        if not batch_samples:
-            return set()
-        last = batch_samples[-1]
-        rows = _num_rows(last)
-        real = count_real_rows(self.accelerator, rows)
-        if real >= rows:
-            return set()
-        if not self._repeats_said:
+        """Keep the examples accelerate repeats out of the window (:func:`hfacc.distributed.trim_repeated_examples`)."""
+        repeated, cut = trim_repeated_examples(self.accelerator, batch_samples)
+        if cut and not self._repeats_said:
             self._repeats_said = True
             logger.warning(
                 "hfacc: the last batch of the epoch on rank %d holds %d example(s) that accelerate repeats so that "
                 "every rank gets a full batch (even_batches); hfacc neither counts nor trains them, so the last step "
                 "is the exact mean over the real examples (stock Trainer trains them twice).",
                 self.accelerator.process_index,
-                rows - real,
+                cut,
             )
-        batch_samples[-1] = take_rows(last, max(real, 1))
-        return {len(batch_samples) - 1} if real == 0 else set()
+        return repeated
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # Replaces the stock count (and its cross-rank gather) wherever the Trainer asks for it, e.g. in
@@ -481,7 +463,7 @@ class TokenWeightedTrainer(Trainer):
             self.meter.add_eval(sums, self.accelerator)  # gather_for_metrics drops the repeated rows
             return outputs, sums
         outputs, sums = objective(model, inputs)
-        rows = _num_rows(inputs)
+        rows = num_rows(inputs)
         real = count_real_rows(self.accelerator, rows)
         counted = sums
         if real < rows:  # the last batch on several ranks: count its real rows only
@@ -651,7 +633,7 @@ class LossMeter:
         self.start_window()
 
     def interval_logs(self, accelerator, with_accuracy: bool) -> dict[str, float]:
-        loss_sum, correct = _reduce(self.interval, accelerator).tolist()
+        loss_sum, correct = reduce_sum(self.interval, accelerator).tolist()
         now = time.perf_counter()
         logs = {
             "loss": loss_sum / self.interval_targets if self.interval_targets else float("nan"),
@@ -668,7 +650,7 @@ class LossMeter:
         return logs
 
     def run_logs(self, accelerator, with_accuracy: bool) -> dict[str, float]:
-        loss_sum, correct = _reduce(self.run, accelerator).tolist()
+        loss_sum, correct = reduce_sum(self.run, accelerator).tolist()
         logs = {"train_loss": loss_sum / self.run_targets if self.run_targets else float("nan")}
         logs["train_num_targets"] = self.run_targets
         if with_accuracy and self.run_targets:
@@ -699,54 +681,9 @@ class LossMeter:
             return None
         total = self.eval.clone()
         if self.eval_local_seen:
-            total += _reduce(self.eval_local, accelerator) if accelerator is not None else self.eval_local
+            total += reduce_sum(self.eval_local, accelerator) if accelerator is not None else self.eval_local
         loss_sum, count, correct = total.tolist()
         return loss_sum, int(count), correct
-
-
-def _reduce(t: torch.Tensor, accelerator) -> torch.Tensor:
-    return accelerator.reduce(t.clone(), reduction="sum") if accelerator.num_processes > 1 else t
-
-
-def count_real_rows(accelerator, rows: int) -> int:
-    """How many of the ``rows`` of the batch just drawn are real examples, not accelerate's repeats.
-
-    On several ranks, accelerate's ``even_batches`` completes the last global batch of an epoch with examples from
-    its start. Ranks take consecutive blocks of that batch, so rank r's real rows are
-    ``clamp(remainder - r * per_rank, 0, per_rank)`` (the rule ``gather_for_metrics`` drops them by); with a batch
-    sampler of varying batch sizes whole batches are repeated, to the ranks past ``num_batches % P``.
-    """
-    world = accelerator.num_processes
-    loader = accelerator.gradient_state.active_dataloader
-    if world == 1 or loader is None or not getattr(loader, "end_of_dataloader", False):
-        return rows
-    from accelerate.data_loader import DataLoaderShard
-
-    if not isinstance(loader, DataLoaderShard):
-        return rows  # DataLoaderDispatcher (iterable datasets) pads differently: nothing known to drop
-    rank = accelerator.process_index
-    shard = getattr(loader, "batch_sampler", None)
-    if getattr(shard, "batch_size", 1) is None:  # varying batch sizes (e.g. hfacc's token budget)
-        extra = getattr(shard, "total_length", 0) % world
-        return 0 if extra and rank >= extra else rows
-    remainder = getattr(loader, "remainder", -1)
-    if remainder is None or remainder <= 0 or getattr(shard, "drop_last", False):
-        return rows  # the last global batch is full (or dropped, or unknown)
-    per_rank = loader.total_batch_size // world
-    return min(rows, max(0, min(per_rank, remainder - rank * per_rank)))
-
-
-def take_rows(batch: Mapping[str, Any], n: int) -> dict[str, Any]:
-    """The first ``n`` rows of every tensor of ``batch`` that has its batch dimension."""
-    rows = _num_rows(batch)
-    return {k: v[:n] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows else v for k, v in batch.items()}
-
-
-def _num_rows(batch: Mapping[str, Any]) -> int:
-    for key in ("labels", "input_ids", "inputs_embeds", "attention_mask"):
-        if torch.is_tensor(batch.get(key)) and batch[key].dim() > 0:
-            return batch[key].shape[0]
-    return next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
 class _WindowGuard(TrainerCallback):
@@ -817,57 +754,6 @@ class _WindowGuard(TrainerCallback):
 
 class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps had a non-finite loss or gradient."""
-
-
-def mark_for_deepspeed_skip(loss: torch.Tensor, skip_if_nonfinite: bool, skip: bool = False) -> torch.Tensor:
-    """``loss``, made to give NaN gradients when its window's step must be skipped, for DeepSpeed to skip it.
-
-    Under DeepSpeed the optimizer step runs inside the last micro-batch's backward (accelerate's engine wrapper), so
-    no callback can drop the gradients before it. DeepSpeed skips a step whose gradients hold inf/NaN and zeroes them
-    (its overflow check, the one fp16 loss scaling relies on), so a window to skip is turned into such a window: its
-    loss is multiplied by NaN (``skip``: a window without targets) or, with ``skip_if_nonfinite``, by NaN when the
-    loss is not finite (an inf loss can have finite gradients). Otherwise the factor is exactly 1.0: bit for bit the
-    same gradient. No host sync: the factor is chosen on the device.
-    """
-    if skip:
-        return loss * float("nan")
-    if not skip_if_nonfinite:
-        return loss
-    ok = torch.isfinite(loss.detach())
-    return loss * torch.where(ok, torch.ones_like(loss), torch.full_like(loss, float("nan")))
-
-
-def deepspeed_overflow_problem(engine: Any) -> str | None:
-    """Why the DeepSpeed ``engine`` would apply a step with inf/NaN gradients instead of skipping it, or None.
-
-    DeepSpeed 0.19: ZeRO-3 always checks the gradient norm; ZeRO-1/2 check when ``bf16.check_grad_overflow`` (the
-    default) or, outside bf16, when ``zero_optimization.compute_grad_norm`` (the default) is on; fp16 always checks.
-    An optimizer of unknown kind is given the benefit of the doubt, and ``_drop_gradients`` still catches a step that
-    was not skipped.
-    """
-    optimizer = getattr(engine, "optimizer", None)
-    if optimizer is None or engine.zero_optimization_stage() >= 3:
-        return None
-    if hasattr(optimizer, "check_grad_overflow"):  # DeepSpeedZeroOptimizer (ZeRO-1/2)
-        by_norm = getattr(optimizer, "compute_grad_norm", True) and optimizer.dtype != torch.bfloat16
-        if optimizer.check_grad_overflow or by_norm:
-            return None
-        return (
-            "its ZeRO optimizer checks no gradient for inf/NaN (set bf16.check_grad_overflow: true, or "
-            "zero_optimization.compute_grad_norm: true)"
-        )
-    if not hasattr(optimizer, "overflow"):  # a plain torch optimizer: no ZeRO, no fp16/bf16 wrapper
-        return f"its optimizer ({type(optimizer).__name__}) does not check gradients for inf/NaN; use ZeRO stage 1-3"
-    return None
-
-
-def all_ranks_agree(flag: bool, accelerator) -> bool:
-    """True only if ``flag`` is True on every rank (one collective), so that all ranks take the same path."""
-    if accelerator.num_processes == 1:
-        return flag
-    # accelerate's reduce knows sum, mean and max only: count the ranks that said yes.
-    votes = accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), reduction="sum")
-    return int(votes.item()) == accelerator.num_processes
 
 
 def _window_is_finite(trainer: TokenWeightedTrainer, meter: LossMeter) -> bool:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
+from .distributed import all_ranks_agree, get_gradient_scale
 from .loss import LossSums, WindowCounts, normalize_window_loss
 from .objective import (
     CausalLMObjective,
@@ -33,7 +34,6 @@ from .objective import (
     get_objective,
     model_inputs,
 )
-from .trainer import all_ranks_agree, get_gradient_scale
 
 PATHS = ("hfacc", "stock")
 logger = logging.getLogger(__name__)
