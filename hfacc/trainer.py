@@ -20,7 +20,6 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
@@ -28,9 +27,10 @@ import datasets
 import torch
 from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .arguments import TokenWeightedArguments, as_token_weighted_arguments, validate_settings
 from .batching import TokenBudgetBatchSampler, check_packing, is_packed
 from .checkpoint import mark_checkpoint_complete, resolve_checkpoint, rotate_checkpoints
 from .distributed import (
@@ -44,136 +44,19 @@ from .distributed import (
     take_rows,
     trim_repeated_examples,
 )
-from .loss import IGNORE_INDEX, NORMALIZATIONS, LossSums, WindowCounts, sums_per_row
+from .loss import IGNORE_INDEX, LossSums, WindowCounts, sums_per_row
+from .loss_path import choose_loss_path
 from .objective import (
-    OBJECTIVES,
     CausalLMObjective,
     LossFunctionObjective,
     ModelLossObjective,
     Objective,
-    check_fused_loss,
     compute_micro_batch_loss,
     get_objective,
 )
 from .padding_free import check_padding_free, padding_free_problem, remove_padding, uses_one_row
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenWeightedArguments(TrainingArguments):
-    """``TrainingArguments`` plus hfacc's settings. A plain ``TrainingArguments`` gets these defaults."""
-
-    normalization: str = field(
-        default="token",
-        metadata={
-            "help": "How the window's loss is normalized: 'token' (every target token weighs the same; the big-batch "
-            "mean), 'sequence' (every sequence weighs the same), or 'micro_batch' (legacy mean of micro-batch means).",
-            "choices": list(NORMALIZATIONS),
-        },
-    )
-    objective: str = field(
-        default="auto",
-        metadata={
-            "help": "What a target is: 'auto' (from the model head and labels) or one of "
-            + ", ".join(sorted(OBJECTIVES))
-            + "."
-        },
-    )
-    fused_loss: bool = field(
-        default=True,
-        metadata={
-            "help": "Causal LMs: compute the output projection and cross-entropy together in chunks over the "
-            "target positions only, so the full logits never exist (less memory, faster; exact). Models that "
-            "post-process their logits fall back to the plain path by themselves."
-        },
-    )
-    padding_free: bool = field(
-        default=True,
-        metadata={
-            "help": "Causal LMs: lay the real tokens of every micro-batch end to end in one row with position_ids "
-            "that restart per sequence, so no layer computes on padding, whatever collator padded it (right or "
-            "left). Same sequences, targets and normalization: exact. Checked once per model; models whose "
-            "attention cannot keep packed sequences apart fall back to padded batches (said once). False: off."
-        },
-    )
-    loss_chunk_size: int = field(
-        default=0, metadata={"help": "Target tokens per chunk of the fused loss (0: about 64 MiB of fp32 logits)."}
-    )
-    max_tokens_per_batch: int = field(
-        default=0,
-        metadata={
-            "help": "Build training micro-batches to this many padded tokens (rows x longest row) instead of a "
-            "fixed per_device_train_batch_size: sequences of similar length go together, so padding is small "
-            "and memory bounded. Exact: the window is normalized by its target count. 0: off."
-        },
-    )
-    length_group_size: int = field(
-        default=0,
-        metadata={
-            "help": "With max_tokens_per_batch: sort by length within random groups of this many examples, "
-            "drawn anew every epoch (more variety per micro-batch, a little more padding). 0: sort all."
-        },
-    )
-    skip_nonfinite_steps: bool = field(
-        default=True,
-        metadata={
-            "help": "Skip the optimizer step of a window whose loss or gradient is NaN/inf (the weights are never "
-            "updated with it) and log which micro-batch caused it. False lets the step through."
-        },
-    )
-    max_skipped_steps: int = field(
-        default=10,
-        metadata={"help": "Stop with an error after this many skipped non-finite steps (0: never stop)."},
-    )
-    audit_every_n_steps: int = field(
-        default=0,
-        metadata={
-            "help": "Every N optimizer steps, recompute the window's gradient example by example and log the "
-            "relative error as accumulation_audit_error (0: off). Costs about one extra window per audit."
-        },
-    )
-    audit_tolerance: float = field(
-        default=0.0,
-        metadata={
-            "help": "Audit error above which a warning is printed. 0: from the training precision, "
-            "max(1e-4, 4 x machine epsilon): 1e-4 in fp32, 3.1e-2 in bf16, 3.9e-3 in fp16."
-        },
-    )
-
-    def __post_init__(self):
-        if not self.use_cpu and not torch.accelerator.is_available():
-            # Accelerate forms a CPU process group (gloo) only when told it runs on the CPU; otherwise each process
-            # of `accelerate launch --multi_gpu --num_processes 2` on a GPU-less machine trains alone, silently.
-            self.use_cpu = True
-        super().__post_init__()
-        validate_settings(self)
-
-
-def validate_settings(args: Any) -> None:
-    """Check hfacc's settings on any arguments object; raise ``ValueError`` naming the field and the fix."""
-    normalization = getattr(args, "normalization", "token")
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization={normalization!r} is not supported; use one of {list(NORMALIZATIONS)}.")
-    objective = getattr(args, "objective", "auto")
-    if objective != "auto" and objective not in OBJECTIVES:
-        raise ValueError(f"objective={objective!r} is not supported; use 'auto' or one of {sorted(OBJECTIVES)}.")
-    if getattr(args, "max_tokens_per_batch", 0) < 0:
-        raise ValueError("max_tokens_per_batch must be >= 0 (0 keeps per_device_train_batch_size batches).")
-    if getattr(args, "loss_chunk_size", 0) < 0:
-        raise ValueError("loss_chunk_size must be >= 0 (0 picks a size from the vocabulary).")
-    if getattr(args, "audit_every_n_steps", 0) < 0:
-        raise ValueError("audit_every_n_steps must be >= 0 (0 turns the audit off).")
-    if getattr(args, "audit_tolerance", 0.0) < 0:
-        raise ValueError("audit_tolerance must be >= 0 (0 derives it from the training precision).")
-    if getattr(args, "max_skipped_steps", 0) < 0:
-        raise ValueError("max_skipped_steps must be >= 0 (0 never stops training).")
-    if args.gradient_accumulation_steps < 1:
-        raise ValueError(
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: it must be >= 1 (1 = no accumulation)."
-        )
-    if args.per_device_train_batch_size < 1:
-        raise ValueError(f"per_device_train_batch_size={args.per_device_train_batch_size}: it must be >= 1.")
 
 
 class TokenWeightedTrainer(Trainer):
@@ -200,13 +83,12 @@ class TokenWeightedTrainer(Trainer):
     # `compute_loss` already divides by the whole window's target count: the Trainer must not divide by k again.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, objective: Objective | str | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        validate_settings(self.args)
-        self.normalization = getattr(self.args, "normalization", "token")
-        self.skip_nonfinite_steps = getattr(self.args, "skip_nonfinite_steps", True)
-        self.max_skipped_steps = getattr(self.args, "max_skipped_steps", 10)
-        self._objective_setting = objective if objective is not None else getattr(self.args, "objective", "auto")
+    args: TokenWeightedArguments
+
+    def __init__(self, model=None, args=None, *rest, objective: Objective | str | None = None, **kwargs):
+        super().__init__(model, as_token_weighted_arguments(args), *rest, **kwargs)
+        validate_settings(self.args)  # again: the arguments may have been changed since they were made
+        self._objective_setting = objective if objective is not None else self.args.objective
         self.objective: Objective | None = self._objective_setting if isinstance(objective, Objective) else None
         if self.compute_loss_func is not None and self.objective is not None:
             raise ValueError(
@@ -248,11 +130,11 @@ class TokenWeightedTrainer(Trainer):
         self._window_left = 0
         self._deepspeed_skips_steps = True  # whether DeepSpeed's overflow check is on (known at train start)
         self.meter = LossMeter(self.args.device)
-        if getattr(self.args, "audit_every_n_steps", 0):
+        if self.args.audit_every_n_steps:
             from .verify import AccumulationAuditCallback
 
             # Before the guard: the audit must see the window's gradient before a skip could drop it.
-            tolerance = getattr(self.args, "audit_tolerance", 0.0) or None
+            tolerance = self.args.audit_tolerance or None
             self.add_callback(
                 AccumulationAuditCallback(self, every_n_steps=self.args.audit_every_n_steps, tolerance=tolerance)
             )
@@ -261,7 +143,7 @@ class TokenWeightedTrainer(Trainer):
     # ---- data: micro-batches to a token budget ----------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
         """Stock dataloader, or micro-batches built to ``max_tokens_per_batch`` padded tokens when it is set."""
-        budget = getattr(self.args, "max_tokens_per_batch", 0)
+        budget = self.args.max_tokens_per_batch
         if not budget:
             return super().get_train_dataloader()
         dataset, collator = self.train_dataset, self.data_collator
@@ -277,7 +159,7 @@ class TokenWeightedTrainer(Trainer):
             budget,
             shuffle=self.args.train_sampling_strategy != "sequential",
             seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
-            group_size=getattr(self.args, "length_group_size", 0),
+            group_size=self.args.length_group_size,
         )
         logger.info(
             "hfacc: %d micro-batches of <= %d padded tokens per epoch (%.1f %% padding).",
@@ -365,13 +247,13 @@ class TokenWeightedTrainer(Trainer):
                 self._setup_padding_free(self.objective, batch)
             if isinstance(self.objective, CausalLMObjective):
                 self._setup_fused_loss(self.objective, batch)
-            logger.info("hfacc: objective %s, normalization %r", self.objective, self.normalization)
-            if isinstance(self.objective, ModelLossObjective) and self.normalization != "micro_batch":
+            logger.info("hfacc: objective %s, normalization %r", self.objective, self.args.normalization)
+            if isinstance(self.objective, ModelLossObjective) and self.args.normalization != "micro_batch":
                 logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
         return self.objective
 
     def _setup_padding_free(self, objective: Objective, batch: Mapping[str, Any]) -> None:
-        if not getattr(self.args, "padding_free", True):
+        if not self.args.padding_free:
             return
         problem = padding_free_problem(self.model, objective)
         if problem is None:
@@ -399,22 +281,19 @@ class TokenWeightedTrainer(Trainer):
         self._signature_columns += [c for c in ("position_ids", "seq_lengths") if c not in self._signature_columns]
 
     def _setup_fused_loss(self, objective: CausalLMObjective, batch: Mapping[str, Any]) -> None:
-        objective.chunk_size = getattr(self.args, "loss_chunk_size", 0)
-        if not getattr(self.args, "fused_loss", True):
-            return
-        if self.normalization == "sequence":
-            problem = "normalization='sequence' weighs targets unequally"
-        elif self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
-            problem = "FSDP v1 flattens the parameters (FSDP2, fsdp_version: 2, keeps the output projection whole)"
-        else:
-            # DDP, DeepSpeed ZeRO-1/2 (whole parameters), FSDP2 and ZeRO-3: the engine gathers a sharded output
-            # projection for the head's forward, inside which the fused loss runs (hfacc.fused_loss.FusedOutputHead).
-            problem = check_fused_loss(objective, self.model, self._prepare_inputs(batch))
-        objective.fused = all_ranks_agree(problem is None, self.accelerator)
+        problem = choose_loss_path(
+            objective,
+            self.model,
+            self._prepare_inputs(batch),
+            self.accelerator,
+            fused_loss=self.args.fused_loss,
+            normalization=self.args.normalization,
+            chunk_size=self.args.loss_chunk_size,
+        )
         if objective.fused:
             logger.info("hfacc: fused chunked cross-entropy: the full logits are never materialized.")
-        else:
-            logger.warning("hfacc: plain loss path (full logits): %s.", problem or "another rank could not fuse")
+        elif self.args.fused_loss:
+            logger.warning("hfacc: plain loss path (full logits): %s.", problem)
 
     # ---- the loss: once per micro-batch ---------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -434,13 +313,13 @@ class TokenWeightedTrainer(Trainer):
             window, repeated = self._take_window_slot(inputs)
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
             loss, outputs, sums = compute_micro_batch_loss(
-                objective, model, inputs, window, normalization=self.normalization, world_size=world
+                objective, model, inputs, window, normalization=self.args.normalization, world_size=world
             )
             if repeated:  # only examples accelerate repeated: run for the all-reduce, contribute nothing
                 loss, sums = loss * 0, LossSums(*(torch.zeros_like(t) for t in sums))
             self.meter.add_micro_batch(sums)
             if self.is_deepspeed_enabled and self._deepspeed_skips_steps:
-                loss = mark_for_deepspeed_skip(loss, self.skip_nonfinite_steps, skip=window.num_targets == 0)
+                loss = mark_for_deepspeed_skip(loss, self.args.skip_nonfinite_steps, skip=window.num_targets == 0)
         else:
             outputs, sums = self._evaluation_sums(objective, model, inputs, packed)
             loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
@@ -703,7 +582,7 @@ class _WindowGuard(TrainerCallback):
             problem = deepspeed_overflow_problem(self.trainer.model_wrapped)
             # Without the check, a window made to overflow would be applied: NaN weights. Never poison it then.
             self.trainer._deepspeed_skips_steps = problem is None
-            if problem and self.trainer.skip_nonfinite_steps:
+            if problem and self.trainer.args.skip_nonfinite_steps:
                 raise ValueError(
                     f"hfacc: skip_nonfinite_steps=True needs DeepSpeed to skip a step with inf/NaN gradients (its "
                     f"optimizer step runs inside the last micro-batch's backward, before hfacc can act), but {problem}. "
@@ -725,7 +604,7 @@ class _WindowGuard(TrainerCallback):
             _drop_gradients(trainer)
             meter.start_window()
             return
-        if trainer.skip_nonfinite_steps and not _window_is_finite(trainer, meter):
+        if trainer.args.skip_nonfinite_steps and not _window_is_finite(trainer, meter):
             meter.skipped_steps += 1
             culprits = [i for i, loss in enumerate(meter.staged_losses) if not torch.isfinite(loss)]
             where = (
@@ -742,10 +621,10 @@ class _WindowGuard(TrainerCallback):
             )
             _drop_gradients(trainer)
             meter.start_window()
-            if trainer.max_skipped_steps and meter.skipped_steps >= trainer.max_skipped_steps:
+            if trainer.args.max_skipped_steps and meter.skipped_steps >= trainer.args.max_skipped_steps:
                 raise NonFiniteLossError(
                     f"{meter.skipped_steps} optimizer steps had a non-finite loss or gradient (limit "
-                    f"max_skipped_steps={trainer.max_skipped_steps}); training stopped. The weights were never updated "
+                    f"max_skipped_steps={trainer.args.max_skipped_steps}); training stopped. The weights were never updated "
                     "with NaN/inf. Lower the learning rate, check the data the log names, or use bf16 instead of fp16."
                 )
             return

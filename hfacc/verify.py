@@ -22,12 +22,12 @@ import torch
 from torch import nn
 from transformers import TrainerCallback
 
-from .distributed import all_ranks_agree, get_gradient_scale
+from .distributed import get_gradient_scale
 from .loss import LossSums, WindowCounts, normalize_window_loss
+from .loss_path import choose_loss_path
 from .objective import (
     CausalLMObjective,
     Objective,
-    check_fused_loss,
     compute_micro_batch_loss,
     get_aux_loss,
     get_base_model,
@@ -207,12 +207,9 @@ def verify_accumulation(
     loss_path = "plain"
     if isinstance(objective, CausalLMObjective):
         reference_objective.fused = False
-        problem = (
-            check_fused_loss(objective, model, micro_batches[0])
-            if fused_loss and normalization != "sequence"
-            else "off"
+        problem = choose_loss_path(
+            objective, model, micro_batches[0], accelerator, fused_loss=fused_loss, normalization=normalization
         )
-        objective.fused = all_ranks_agree(problem is None, accelerator)
         loss_path = "fused chunked cross-entropy" if objective.fused else f"plain ({problem})"
     wrapped = accelerator.prepare_model(model) if world > 1 else model
     named = [(n, p) for n, p in get_base_model(model).named_parameters() if p.requires_grad]
@@ -600,7 +597,7 @@ def audit_window(trainer) -> float:
     saved = [None if p.grad is None else p.grad.detach().clone() for _, p in named]
     cpu_rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    accelerator, window, normalization = trainer.accelerator, trainer.window, trainer.normalization
+    accelerator, window, normalization = trainer.accelerator, trainer.window, trainer.args.normalization
     scale = get_gradient_scale(accelerator.distributed_type, accelerator.num_processes)
     try:
         _zero(named)

@@ -256,3 +256,21 @@ def test_invalid_settings_name_the_field():
         TokenWeightedArguments(output_dir="x", normalization="mean")
     with pytest.raises(ValueError, match="objective"):
         TokenWeightedArguments(output_dir="x", objective="ctc")
+
+
+def test_plain_training_arguments_are_converted_once(tmp_path):
+    """A plain TrainingArguments becomes TokenWeightedArguments with every field kept and hfacc's defaults added."""
+    import dataclasses
+
+    from transformers import Seq2SeqTrainingArguments
+
+    plain = train_args(tmp_path, 2, 3, label_smoothing_factor=0.1, lr_scheduler_type="cosine", optim="sgd")
+    trainer = TokenWeightedTrainer(model=build_tiny_llama(vocab_size=VOCAB), args=plain, data_collator=COLLATE)
+    assert type(trainer.args) is TokenWeightedArguments
+    assert all(getattr(trainer.args, f.name) == getattr(plain, f.name) for f in dataclasses.fields(plain))
+    defaults = TokenWeightedArguments(output_dir=str(tmp_path))
+    assert (trainer.args.normalization, trainer.args.max_skipped_steps) == (defaults.normalization, 10)
+    seq2seq = Seq2SeqTrainingArguments(str(tmp_path), predict_with_generate=True, use_cpu=True, report_to=[])
+    converted = TokenWeightedTrainer(model=build_tiny_llama(vocab_size=VOCAB), args=seq2seq).args
+    assert isinstance(converted, Seq2SeqTrainingArguments) and isinstance(converted, TokenWeightedArguments)
+    assert converted.predict_with_generate and converted.fused_loss
