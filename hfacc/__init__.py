@@ -1,9 +1,12 @@
 """hfacc: k accumulated micro-batches give exactly the update of one big batch."""
 
 from .accumulation import MicroBatch, accumulation_window, iter_windows
+from .arguments import TokenWeightedArguments
+from .audit import AccumulationAuditCallback
 from .batching import TokenBudgetBatchSampler, pack_dataset, pack_examples
 from .collator import DataCollatorForCausalLM
 from .data import DataArguments, build_sft_dataset, load_sft_source
+from .distributed import get_gradient_scale
 from .loss import (
     IGNORE_INDEX,
     LossSums,
@@ -29,8 +32,9 @@ from .objective import (
     TokenObjective,
     get_objective,
 )
-from .trainer import NonFiniteLossError, TokenWeightedArguments, TokenWeightedTrainer, get_gradient_scale
-from .verify import AccumulationAuditCallback, verify_accumulation
+from .step_gate import NonFiniteLossError
+from .trainer import TokenWeightedTrainer
+from .verify import verify_accumulation
 
 __version__ = "0.1.0"
 

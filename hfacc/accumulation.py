@@ -27,6 +27,7 @@ from torch import nn
 from .distributed import fsdp2_no_sync, get_gradient_scale, is_fsdp2
 from .loss import LossSums, WindowCounts, normalize_window_loss
 from .objective import CausalLMObjective, Objective
+from .window import count_window
 
 
 @dataclass
@@ -104,17 +105,14 @@ def accumulation_window(
         normalization: ``"token"`` (default), ``"sequence"`` or ``"micro_batch"``.
     """
     objective = objective or CausalLMObjective()
-    device = accelerator.device
-    counts = torch.zeros(2, dtype=torch.long, device=device)
-    for batch in batches:
-        if isinstance(objective, Objective):
-            counts += objective.count(batch).to(device)
-        else:
-            n = torch.as_tensor(objective(batch), device=device).long()
-            counts += torch.stack([n, (n > 0).long()])
-    if accelerator.num_processes > 1:
-        counts = accelerator.reduce(counts, reduction="sum")
-    num_targets, num_sequences = counts.tolist()
-    window = WindowCounts(num_targets, num_sequences, len(batches))
+    if isinstance(objective, Objective):
+        count = objective.count
+    else:
+
+        def count(batch):
+            n = torch.as_tensor(objective(batch), device=accelerator.device).long()
+            return torch.stack([n, (n > 0).long()])
+
+    window = count_window(count, batches, accelerator)
     for i, batch in enumerate(batches):
         yield MicroBatch(batch, i, window, i == len(batches) - 1, accelerator, model, normalization)

@@ -25,18 +25,15 @@ from .fused_loss import FusedOutputHead, swap_output_head
 from .loss import (
     IGNORE_INDEX,
     LossSums,
-    WindowCounts,
     binary_cross_entropy_sums,
     count_targets,
     cross_entropy_sums,
     get_sequence_ids,
-    normalize_window_loss,
     per_sequence_sums,
     shift_labels,
     squared_error_sums,
 )
 from .model_io import (
-    get_aux_loss,
     get_base_model,
     get_logits,
     get_num_virtual_tokens,
@@ -521,30 +518,6 @@ def _labels_copy_inputs(labels: torch.Tensor, input_ids: Any) -> bool:
         return False
     targets = labels != IGNORE_INDEX
     return bool(targets.any()) and bool((labels[targets] == input_ids[targets]).all())
-
-
-def compute_micro_batch_loss(
-    objective: Objective,
-    model: nn.Module,
-    batch: Mapping[str, Any],
-    window: WindowCounts,
-    *,
-    normalization: str = "token",
-    world_size: int = 1,
-):
-    """Run one micro-batch and return ``(loss to backpropagate, outputs, sums)``: what training does, in one place.
-
-    The loss is the micro-batch's share of the window loss (:func:`hfacc.loss.normalize_window_loss`), plus, for
-    mixture-of-experts models that return a router ``aux_loss``, ``router_aux_loss_coef * aux_loss / k``: that
-    auxiliary loss is a statistic of each micro-batch's own routing, so it can only be averaged over micro-batches
-    (``hfacc verify`` reports it as a split-dependent term).
-    """
-    outputs, sums = objective(model, batch, per_sequence=normalization == "sequence")
-    loss = normalize_window_loss(sums, window, normalization=normalization, world_size=world_size)
-    aux = get_aux_loss(model, outputs)
-    if aux is not None:
-        loss = loss + aux / max(window.num_micro_batches, 1)
-    return loss, outputs, sums
 
 
 __all__ = [

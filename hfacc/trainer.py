@@ -18,43 +18,44 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterator, Mapping
 from itertools import islice
 from typing import Any
 
 import datasets
 import torch
-from accelerate.utils import DistributedType, extract_model_from_parallel
+from accelerate.utils import extract_model_from_parallel
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .arguments import TokenWeightedArguments, as_token_weighted_arguments, validate_settings
+from .audit import AccumulationAuditCallback
 from .batching import TokenBudgetBatchSampler, check_packing, is_packed
 from .checkpoint import mark_checkpoint_complete, resolve_checkpoint, rotate_checkpoints
+from .collator import warn_about_padding_labels
 from .distributed import (
     all_ranks_agree,
     count_real_rows,
-    deepspeed_overflow_problem,
     get_gradient_scale,
     mark_for_deepspeed_skip,
     num_rows,
-    reduce_sum,
     take_rows,
     trim_repeated_examples,
 )
-from .loss import IGNORE_INDEX, LossSums, WindowCounts, sums_per_row
+from .loss import LossSums, sums_per_row
 from .loss_path import choose_loss_path
+from .meter import LossMeter
 from .objective import (
     CausalLMObjective,
     LossFunctionObjective,
     ModelLossObjective,
     Objective,
-    compute_micro_batch_loss,
     get_objective,
 )
 from .padding_free import check_padding_free, padding_free_problem, remove_padding, uses_one_row
+from .step_gate import NonFiniteLossError, StepGate
+from .window import Window, compute_micro_batch_loss, count_window
 
 logger = logging.getLogger(__name__)
 
@@ -119,26 +120,20 @@ class TokenWeightedTrainer(Trainer):
         # A plain nn.Module without a `labels` argument would have its labels column removed by the Trainer.
         if not self.label_names:
             self.label_names = ["labels"]
-        self.window: WindowCounts | None = None
-        self.window_batches: list = []
-        self._repeated_batches: set[int] = set()  # micro-batches of the window that only repeat examples
+        self.window: Window | None = None  # the window of the optimizer step under way (hfacc/window.py)
         self._repeats_said = False
         self._eval_needs_logits = True  # evaluation_loop says when predictions are thrown away
         self._packing_checked = False
         self.padding_free = False  # decided with the objective, on the first micro-batch
         self.padding_free_one_row = True  # one row for variable-length attention kernels, else rows
-        self._window_left = 0
-        self._deepspeed_skips_steps = True  # whether DeepSpeed's overflow check is on (known at train start)
         self.meter = LossMeter(self.args.device)
-        if self.args.audit_every_n_steps:
-            from .verify import AccumulationAuditCallback
-
-            # Before the guard: the audit must see the window's gradient before a skip could drop it.
+        if self.args.audit_every_n_steps:  # the step gate runs it first, before a skip could drop the gradient
             tolerance = self.args.audit_tolerance or None
             self.add_callback(
                 AccumulationAuditCallback(self, every_n_steps=self.args.audit_every_n_steps, tolerance=tolerance)
             )
-        self.add_callback(_WindowGuard(self))
+        self.step_gate = StepGate(self)  # audit -> no target -> not finite -> commit, before every optimizer step
+        self.add_callback(self.step_gate)
 
     # ---- data: micro-batches to a token budget ----------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -179,19 +174,25 @@ class TokenWeightedTrainer(Trainer):
 
     # ---- counting: once per window --------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
-        """Collect the window's micro-batches and count their targets over all ranks (one collective)."""
+        """Draw the window's micro-batches and open its :class:`~hfacc.window.Window` (one collective)."""
         batch_samples = list(islice(epoch_iterator, num_batches))
-        self._repeated_batches = self._drop_repeated_examples(batch_samples)
-        # The Trainer holds these for the whole window anyway; the audit recomputes the window from them.
-        self.window_batches = [b for j, b in enumerate(batch_samples) if j not in self._repeated_batches]
+        repeated = self._drop_repeated_examples(batch_samples)
         if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
             self._check_packing(batch_samples[0])
-        if self.window is None:  # the first window
-            warn_about_padding_labels(self.window_batches)
-        self.window = self.count_window(self.window_batches, device)
-        self._window_left = len(batch_samples)
-        self.meter.start_window()
+        first = self.window is None
+        self.window = self.open_window(batch_samples, device, repeated, warn=first)
         return batch_samples, self.window.num_targets
+
+    def open_window(
+        self, batch_samples: list, device: torch.device, repeated: set[int] = frozenset(), warn: bool = False
+    ) -> Window:
+        """The window of ``batch_samples``: its targets counted over all ranks, ready for ``compute_loss``."""
+        # The Trainer holds these for the whole window anyway; the audit recomputes the window from them.
+        batches = [b for j, b in enumerate(batch_samples) if j not in repeated]
+        if warn:  # the first window
+            warn_about_padding_labels(batches)
+        counts = count_window(lambda b: self.get_objective(b).count(b), batches, self.accelerator, device)
+        return Window(batches, counts, len(batch_samples), self.meter.zeros(), frozenset(repeated))
 
     def _drop_repeated_examples(self, batch_samples: list) -> set[int]:
         """Keep the examples accelerate repeats out of the window (:func:`hfacc.distributed.trim_repeated_examples`)."""
@@ -222,16 +223,6 @@ class TokenWeightedTrainer(Trainer):
                 "'flash_attention_2' on a model whose forward takes position_ids)."
             )
         logger.info("hfacc: packed rows checked: each sequence's logits match its unpacked run.")
-
-    def count_window(self, batch_samples: list[Mapping[str, Any]], device: torch.device) -> WindowCounts:
-        """:class:`WindowCounts` of ``batch_samples`` summed over all data-parallel ranks."""
-        counts = torch.zeros(2, dtype=torch.long, device=device)
-        for batch in batch_samples:
-            counts += self.get_objective(batch).count(batch).to(device)
-        if self.accelerator.num_processes > 1:
-            counts = self.accelerator.reduce(counts, reduction="sum")
-        num_targets, num_sequences = counts.tolist()
-        return WindowCounts(num_targets, num_sequences, len(batch_samples))
 
     def get_objective(self, batch: Mapping[str, Any]) -> Objective:
         """The objective, resolved from the model and the first batch it sees."""
@@ -310,15 +301,20 @@ class TokenWeightedTrainer(Trainer):
         if self.padding_free and (model.training or objective.fused_in_eval):  # eval: unless logits are wanted
             inputs = remove_padding(inputs, self.padding_free_one_row) or inputs
         if model.training:
-            window, repeated = self._take_window_slot(inputs)
+            if self.window is None or self.window.left <= 0:
+                # compute_loss called outside the Trainer's loop (e.g. a user's own `training_step` call): the
+                # micro-batch is a window of its own.
+                self.window = self.open_window([inputs], self.args.device)
+            window = self.window
+            repeated = window.take()
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
             loss, outputs, sums = compute_micro_batch_loss(
-                objective, model, inputs, window, normalization=self.args.normalization, world_size=world
+                objective, model, inputs, window.counts, normalization=self.args.normalization, world_size=world
             )
             if repeated:  # only examples accelerate repeated: run for the all-reduce, contribute nothing
                 loss, sums = loss * 0, LossSums(*(torch.zeros_like(t) for t in sums))
-            self.meter.add_micro_batch(sums)
-            if self.is_deepspeed_enabled and self._deepspeed_skips_steps:
+            window.stage(sums)
+            if self.is_deepspeed_enabled and self.step_gate.deepspeed_skips_steps:
                 loss = mark_for_deepspeed_skip(loss, self.args.skip_nonfinite_steps, skip=window.num_targets == 0)
         else:
             outputs, sums = self._evaluation_sums(objective, model, inputs, packed)
@@ -349,18 +345,6 @@ class TokenWeightedTrainer(Trainer):
             counted = objective(model, take_rows(inputs, real))[1] if real else LossSums(*(t * 0 for t in sums))
         self.meter.add_eval_local(counted.total())
         return outputs, sums
-
-    def _take_window_slot(self, inputs) -> tuple[WindowCounts, bool]:
-        if self._window_left <= 0:
-            # compute_loss called outside the Trainer's loop (e.g. a user's own `training_step` call): the
-            # micro-batch is a window of its own.
-            self.window = self.count_window([inputs], self.args.device)
-            self._window_left = 1
-            self._repeated_batches = set()
-            self.meter.start_window()
-        index = self.window.num_micro_batches + len(self._repeated_batches) - self._window_left
-        self._window_left -= 1
-        return self.window, index in self._repeated_batches
 
     # ---- what gets logged -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -452,222 +436,5 @@ class TokenWeightedTrainer(Trainer):
         return self.objective is not None and self.objective.has_accuracy
 
 
-def warn_about_padding_labels(batches: list[Mapping[str, Any]]) -> None:
-    """Say once when a collator left labels on padding: padding is never a target (:func:`hfacc.loss.shift_labels`).
-
-    Stock ``Trainer`` would train them (the last token learns to predict the pad, pads predict pads); hfacc does not,
-    padded or padding-free, so the two give the same update.
-    """
-    found = 0
-    for batch in batches:
-        labels, mask = batch.get("labels"), batch.get("attention_mask")
-        if torch.is_tensor(labels) and torch.is_tensor(mask) and mask.shape == labels.shape:
-            found += int(((labels != IGNORE_INDEX) & (mask == 0)).sum())
-    if found:
-        logger.warning(
-            "hfacc: %d labels at padding positions (attention_mask 0) are not -100 in the first window; padding is "
-            "never a target, so they are ignored. To train an end-of-sequence token, put it in the examples.",
-            found,
-        )
-
-
-class LossMeter:
-    """Token-weighted loss/accuracy bookkeeping, on device between logs (no host sync per micro-batch).
-
-    A window's sums are *staged* until its optimizer step is taken; a skipped window never reaches the logs.
-    """
-
-    def __init__(self, device: torch.device):
-        # float64: sums over thousands of micro-batches must not lose the fp32 digits that make the log exact.
-        self.dtype = torch.float32 if torch.device(device).type == "mps" else torch.float64
-        self.device = device
-        self.reset_run()
-        self.reset_eval()
-        self.start_window()
-
-    def _zeros(self) -> torch.Tensor:
-        return torch.zeros(2, dtype=self.dtype, device=self.device)  # [loss sum, correct]
-
-    def reset_run(self) -> None:
-        self.run, self.run_targets = self._zeros(), 0
-        self.interval, self.interval_targets = self._zeros(), 0
-        self.skipped_steps = self.empty_windows = 0
-        self.interval_start = time.perf_counter()
-        self.extra: dict[str, float] = {}  # one-off values for the next log (e.g. the accumulation audit)
-
-    def start_window(self) -> None:
-        self.staged = self._zeros()
-        self.staged_losses: list[torch.Tensor] = []
-
-    def add_micro_batch(self, sums: LossSums) -> None:
-        loss = sums.loss.detach().sum()
-        self.staged_losses.append(loss)
-        self.staged += torch.stack([loss.to(self.dtype), sums.correct.sum().to(self.dtype)])
-
-    def commit_window(self, window: WindowCounts) -> None:
-        self.interval += self.staged
-        self.run += self.staged
-        self.interval_targets += window.num_targets
-        self.run_targets += window.num_targets
-        self.start_window()
-
-    def interval_logs(self, accelerator, with_accuracy: bool) -> dict[str, float]:
-        loss_sum, correct = reduce_sum(self.interval, accelerator).tolist()
-        now = time.perf_counter()
-        logs = {
-            "loss": loss_sum / self.interval_targets if self.interval_targets else float("nan"),
-            "num_targets": self.interval_targets,
-            "target_tokens_per_second": round(self.interval_targets / max(now - self.interval_start, 1e-9), 2),
-        }
-        if with_accuracy and self.interval_targets:
-            logs["token_accuracy"] = correct / self.interval_targets
-        if self.skipped_steps:
-            logs["skipped_steps"] = self.skipped_steps
-        logs.update(self.extra)
-        self.extra = {}
-        self.interval, self.interval_targets, self.interval_start = self._zeros(), 0, now
-        return logs
-
-    def run_logs(self, accelerator, with_accuracy: bool) -> dict[str, float]:
-        loss_sum, correct = reduce_sum(self.run, accelerator).tolist()
-        logs = {"train_loss": loss_sum / self.run_targets if self.run_targets else float("nan")}
-        logs["train_num_targets"] = self.run_targets
-        if with_accuracy and self.run_targets:
-            logs["train_token_accuracy"] = correct / self.run_targets
-        logs["train_skipped_steps"] = self.skipped_steps
-        return logs
-
-    def reset_eval(self) -> None:
-        self.eval = torch.zeros(3, dtype=self.dtype, device=self.device)  # [loss sum, count, correct], all ranks
-        self.eval_local = torch.zeros(3, dtype=self.dtype, device=self.device)  # this rank's, reduced at the end
-        self.eval_seen = self.eval_local_seen = False
-
-    def add_eval(self, sums: LossSums, accelerator) -> None:
-        per_example = torch.stack([sums.loss.detach(), sums.count, sums.correct], dim=-1).to(self.dtype)
-        if accelerator.num_processes > 1:
-            # gather_for_metrics drops the samples the sampler repeated to even out the last batch across ranks.
-            per_example = accelerator.gather_for_metrics(per_example)
-        self.eval += per_example.reshape(-1, 3).sum(0)
-        self.eval_seen = True
-
-    def add_eval_local(self, sums: LossSums) -> None:
-        """Sums of this rank's real examples only (objectives without per-sequence sums)."""
-        self.eval_local += torch.stack([sums.loss.detach(), sums.count, sums.correct]).to(self.eval_local)
-        self.eval_local_seen = True
-
-    def eval_totals(self, accelerator=None) -> tuple[float, int, float] | None:
-        if not (self.eval_seen or self.eval_local_seen):
-            return None
-        total = self.eval.clone()
-        if self.eval_local_seen:
-            total += reduce_sum(self.eval_local, accelerator) if accelerator is not None else self.eval_local
-        loss_sum, count, correct = total.tolist()
-        return loss_sum, int(count), correct
-
-
-class _WindowGuard(TrainerCallback):
-    """Before each optimizer step: decide whether the window may update the weights.
-
-    A window with zero targets on every rank has a zero gradient, but an optimizer step would still move the weights
-    (Adam's momentum, weight decay). A non-finite loss or gradient would poison them. Either way the gradients are
-    dropped, so ``optimizer.step()`` leaves every parameter as it was; the learning-rate schedule still advances.
-    """
-
-    def __init__(self, trainer: TokenWeightedTrainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer.meter.reset_run()
-        if self.trainer.is_deepspeed_enabled:
-            problem = deepspeed_overflow_problem(self.trainer.model_wrapped)
-            # Without the check, a window made to overflow would be applied: NaN weights. Never poison it then.
-            self.trainer._deepspeed_skips_steps = problem is None
-            if problem and self.trainer.args.skip_nonfinite_steps:
-                raise ValueError(
-                    f"hfacc: skip_nonfinite_steps=True needs DeepSpeed to skip a step with inf/NaN gradients (its "
-                    f"optimizer step runs inside the last micro-batch's backward, before hfacc can act), but {problem}. "
-                    "Change the DeepSpeed config as said, or pass skip_nonfinite_steps=False to let such steps through."
-                )
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        trainer, meter, window = self.trainer, self.trainer.meter, self.trainer.window
-        if window is None:
-            return
-        if window.num_targets == 0:
-            meter.empty_windows += 1
-            logger.warning(
-                "hfacc: step %d: no target in the whole window (every label is -100 on every rank); the step is "
-                "skipped and the weights are unchanged (%d such windows so far).",
-                state.global_step + 1,
-                meter.empty_windows,
-            )
-            _drop_gradients(trainer)
-            meter.start_window()
-            return
-        if trainer.args.skip_nonfinite_steps and not _window_is_finite(trainer, meter):
-            meter.skipped_steps += 1
-            culprits = [i for i, loss in enumerate(meter.staged_losses) if not torch.isfinite(loss)]
-            where = (
-                f"non-finite loss in micro-batch(es) {culprits} of {window.num_micro_batches} on rank "
-                f"{trainer.accelerator.process_index}"
-                if culprits
-                else "non-finite gradient (the loss was finite on this rank)"
-            )
-            logger.warning(
-                "hfacc: step %d skipped: %s. The weights were not updated (%d skipped so far).",
-                state.global_step + 1,
-                where,
-                meter.skipped_steps,
-            )
-            _drop_gradients(trainer)
-            meter.start_window()
-            if trainer.args.max_skipped_steps and meter.skipped_steps >= trainer.args.max_skipped_steps:
-                raise NonFiniteLossError(
-                    f"{meter.skipped_steps} optimizer steps had a non-finite loss or gradient (limit "
-                    f"max_skipped_steps={trainer.args.max_skipped_steps}); training stopped. The weights were never updated "
-                    "with NaN/inf. Lower the learning rate, check the data the log names, or use bf16 instead of fp16."
-                )
-            return
-        meter.commit_window(window)
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many optimizer steps had a non-finite loss or gradient."""
-
-
-def _window_is_finite(trainer: TokenWeightedTrainer, meter: LossMeter) -> bool:
-    if trainer.is_deepspeed_enabled and trainer.optimizer.step_was_skipped:
-        return False  # DeepSpeed found inf/NaN in the gradients (its flag is already agreed over the ranks)
-    grads = [p.grad for group in trainer.optimizer.param_groups for p in group["params"] if p.grad is not None]
-    total = meter.staged[0].float()
-    if grads:
-        total = total + torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False).float()
-    # Sharded (FSDP) gradients differ per rank: every rank must take the same decision.
-    return all_ranks_agree(bool(torch.isfinite(total)), trainer.accelerator)
-
-
-def _drop_gradients(trainer: TokenWeightedTrainer) -> None:
-    if trainer.accelerator.distributed_type == DistributedType.DEEPSPEED:
-        # The step already ran, inside the last backward. The window was made to overflow (mark_for_deepspeed_skip),
-        # so DeepSpeed's own check must have skipped it and zeroed the gradients; if it did not, say so loudly.
-        if not trainer._deepspeed_skips_steps:  # skip_nonfinite_steps=False with DeepSpeed's check off
-            logger.warning(
-                "hfacc: DeepSpeed's overflow check is off, so this step could not be skipped: it was taken."
-            )
-        elif not trainer.optimizer.step_was_skipped:
-            raise NonFiniteLossError(
-                "hfacc: DeepSpeed applied the update of a window that had to be skipped (no targets, or an inf/NaN "
-                "loss): its overflow check is off. Enable it (bf16.check_grad_overflow: true, or "
-                "zero_optimization.compute_grad_norm: true) or pass skip_nonfinite_steps=False."
-            )
-        return
-    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    if getattr(trainer.accelerator, "scaler", None) is not None:
-        # fp16's GradScaler refuses a step without gradients; an inf makes it skip the step (and halve its scale).
-        for p in params:
-            if p.grad is not None:
-                p.grad.fill_(float("inf"))
-        return
-    # torch optimizers leave a parameter whose .grad is None untouched: no update, no momentum, no weight decay.
-    for p in params:
-        p.grad = None
+# Also importable from here, where they lived before (hfacc.trainer.TokenWeightedArguments, ...).
+__all__ = ["TokenWeightedTrainer", "TokenWeightedArguments", "NonFiniteLossError", "get_gradient_scale"]

@@ -20,20 +20,20 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
 
+from .audit import (
+    AccumulationAuditCallback,
+    clear_grads,
+    flatten_grads,
+    get_audit_tolerance,
+    relative_error,
+)
 from .distributed import get_gradient_scale
 from .loss import LossSums, WindowCounts, normalize_window_loss
 from .loss_path import choose_loss_path
-from .objective import (
-    CausalLMObjective,
-    Objective,
-    compute_micro_batch_loss,
-    get_aux_loss,
-    get_base_model,
-    get_objective,
-    model_inputs,
-)
+from .model_io import get_aux_loss, get_base_model, model_inputs
+from .objective import CausalLMObjective, Objective, get_objective
+from .window import compute_micro_batch_loss, count_window
 
 PATHS = ("hfacc", "stock")
 logger = logging.getLogger(__name__)
@@ -214,13 +214,11 @@ def verify_accumulation(
     wrapped = accelerator.prepare_model(model) if world > 1 else model
     named = [(n, p) for n, p in get_base_model(model).named_parameters() if p.requires_grad]
 
-    counts = torch.stack([objective.count(b).to(accelerator.device) for b in micro_batches])
-    totals = accelerator.reduce(counts.sum(0), reduction="sum") if world > 1 else counts.sum(0)
-    window = WindowCounts(int(totals[0]), int(totals[1]), len(micro_batches))
+    window = count_window(objective.count, micro_batches, accelerator)
     scale = get_gradient_scale(accelerator.distributed_type, world)
 
     def accumulate(which: str, autocast: torch.dtype | None = None) -> torch.Tensor:
-        _zero(named)
+        clear_grads(named)
         torch.manual_seed(seed + 1 + rank)
         for i, batch in enumerate(micro_batches):
             sync = (
@@ -235,10 +233,10 @@ def verify_accumulation(
                 else:
                     loss = _stock_loss(wrapped, batch, objective, window, len(micro_batches), scale)
                 loss.backward()
-        return _flat(named)
+        return flatten_grads(named)
 
     def reference() -> torch.Tensor:
-        _zero(named)
+        clear_grads(named)
         torch.manual_seed(seed + 1)
         inner = get_base_model(model) if world > 1 else model
         outputs, sums = reference_objective(inner, full_batch, per_sequence=normalization == "sequence")
@@ -251,18 +249,18 @@ def verify_accumulation(
             loss = normalize_window_loss(sums, whole, normalization=normalization)
         aux = get_aux_loss(inner, outputs)  # the big batch's own router loss: what one big step would add
         (loss if aux is None else loss + aux).backward()
-        return _flat(named)
+        return flatten_grads(named)
 
     ref = reference()
     main = accumulate(path)
     try:
-        other_error = _relative(accumulate("stock" if path == "hfacc" else "hfacc"), ref)
+        other_error = relative_error(accumulate("stock" if path == "hfacc" else "hfacc"), ref)
     except (TypeError, KeyError, AttributeError, ValueError):  # e.g. stock needs a model that takes labels
         other_error = None
-    error = _relative(main, ref)
+    error = relative_error(main, ref)
     sizes = [p.numel() for _, p in named]
     per_tensor = [
-        (name, _relative(a, b))
+        (name, relative_error(a, b))
         for (name, _), a, b in zip(named, main.split(sizes), ref.split(sizes), strict=True)
         if b.norm() > 0 or a.norm() > 0
     ]
@@ -271,10 +269,10 @@ def verify_accumulation(
     for precision in precisions:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         try:
-            precision_errors[precision] = _relative(accumulate(path, autocast=dtype), main)
+            precision_errors[precision] = relative_error(accumulate(path, autocast=dtype), main)
         except RuntimeError:  # e.g. fp16 autocast unsupported on this device
             continue
-    _zero(named)
+    clear_grads(named)
     findings = diagnose(model, objective, micro_batches[0], path, normalization, window, micro_batches)
     report = VerifyReport(
         passed=bool(error <= tolerance),
@@ -291,7 +289,7 @@ def verify_accumulation(
             "world_size": world,
             "examples": need,
             "num_targets": window.num_targets,
-            "targets_per_micro_batch": [int(c[0]) for c in counts],
+            "targets_per_micro_batch": [int(objective.count(b)[0]) for b in micro_batches],
             "objective": objective.name,
             "normalization": normalization,
             "loss_path": loss_path,
@@ -485,23 +483,6 @@ def _sequence_counts(sums: LossSums) -> tuple[int, int]:
     return int(count.sum()), sequences
 
 
-def _zero(named):
-    for _, p in named:
-        p.grad = None
-
-
-def _flat(named) -> torch.Tensor:
-    return torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten() for _, p in named]
-    )
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    denominator = b.norm().item()
-    difference = (a - b).norm().item()
-    return difference / denominator if denominator > 0 else (0.0 if difference == 0 else math.inf)
-
-
 def _to(batch, device):
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
@@ -515,118 +496,3 @@ __all__ = [
     "AccumulationAuditCallback",
     "get_audit_tolerance",
 ]
-
-
-def get_audit_tolerance(dtype: torch.dtype) -> float:
-    """The largest audit error that still counts as exact when the training arithmetic runs in ``dtype``.
-
-    The audit compares two computations of the same gradient that are equal in exact arithmetic but round
-    differently (micro-batches of different shapes). In fp32 that difference is ~1e-7, and the tolerance 1e-4. In
-    half precision it is a fraction of the format's machine epsilon: measured on a tiny Llama under bf16 autocast,
-    1.7e-3 to 2.3e-3 (epsilon 2**-7 = 7.8e-3), while ``hfacc verify`` measures bf16's rounding against fp32 at
-    5.4e-3. The tolerance is ``max(1e-4, 4 * epsilon)``: 3.1e-2 in bf16, 3.9e-3 in fp16. What breaks equivalence
-    (dropout, batch statistics, a mean of micro-batch means) gives errors of 0.1 and more.
-
-    >>> get_audit_tolerance(torch.bfloat16)
-    0.03125
-    """
-    return max(1e-4, 4 * torch.finfo(dtype).eps)
-
-
-def get_compute_dtype(trainer) -> torch.dtype:
-    """The precision the trainer's arithmetic runs in: the autocast dtype of mixed precision, else the weights'."""
-    mixed = getattr(trainer.accelerator, "mixed_precision", "no")
-    if mixed in ("bf16", "fp16"):
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed]
-    dtypes = [p.dtype for p in trainer.model.parameters() if p.is_floating_point() and p.requires_grad]
-    return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
-
-
-class AccumulationAuditCallback(TrainerCallback):
-    """Audit one window every ``every_n_steps`` optimizer steps during training, and log the error.
-
-    Just before the optimizer step, the window's gradient is recomputed from the same parameters with every example
-    as its own micro-batch (same window normalization), and compared with the gradient training accumulated. Only
-    batch size 1 is ever run, so the audit needs no more memory than training. An exact setup gives the rounding of
-    the training precision (~1e-7 in fp32, ~2e-3 in bf16); batch statistics, randomness or a mis-normalized loss
-    show up as large errors. The error is logged as ``accumulation_audit_error`` and a warning is printed above
-    ``tolerance`` (by default :func:`get_audit_tolerance` of the precision the trainer computes in). RNG states are
-    restored afterwards, so an audited run trains exactly like an unaudited one.
-
-    >>> trainer.add_callback(AccumulationAuditCallback(trainer, every_n_steps=100))  # doctest: +SKIP
-    """
-
-    def __init__(self, trainer, every_n_steps: int = 100, tolerance: float | None = None):
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps={every_n_steps}: it must be >= 1.")
-        if tolerance is not None and not tolerance > 0:
-            raise ValueError(f"tolerance={tolerance}: it must be > 0 (or None: from the training precision).")
-        self.trainer, self.every_n_steps, self.tolerance = trainer, every_n_steps, tolerance
-        self.errors: list[tuple[int, float]] = []
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if self.tolerance is None:
-            self.tolerance = get_audit_tolerance(get_compute_dtype(self.trainer))
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        step = state.global_step + 1
-        if step % self.every_n_steps or trainer.window is None or trainer.window.num_targets == 0:
-            return
-        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-            logger.warning("hfacc: the accumulation audit needs full local gradients; skipped under DeepSpeed/FSDP.")
-            return
-        error = audit_window(trainer)
-        self.errors.append((step, error))
-        trainer.meter.extra["accumulation_audit_error"] = error
-        if not error <= self.tolerance:
-            logger.warning(
-                "hfacc: step %d: the accumulated gradient differs from a per-example recomputation by %.2e (tolerance "
-                "%.0e); run `hfacc verify` on this model and data for a diagnosis.",
-                step,
-                error,
-                self.tolerance,
-            )
-
-
-def audit_window(trainer) -> float:
-    """Relative error between the trainer's accumulated gradient and a per-example recomputation of its window."""
-    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    trained = _flat(named)
-    saved = [None if p.grad is None else p.grad.detach().clone() for _, p in named]
-    cpu_rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    accelerator, window, normalization = trainer.accelerator, trainer.window, trainer.args.normalization
-    scale = get_gradient_scale(accelerator.distributed_type, accelerator.num_processes)
-    try:
-        _zero(named)
-        for batch in trainer.window_batches:
-            batch = trainer._prepare_inputs(batch)
-            rows = batch["labels"].shape[0]
-            # 'micro_batch' is defined by the micro-batches themselves; the others are invariant to the split.
-            pieces = [batch] if normalization == "micro_batch" else [_rows(batch, i) for i in range(rows)]
-            for piece in pieces:
-                loss, _, _ = compute_micro_batch_loss(
-                    trainer.objective, model, piece, window, normalization=normalization, world_size=scale
-                )
-                loss.backward()
-        if accelerator.num_processes > 1:
-            for _, p in named:  # what DDP's all-reduce does to the trained gradient
-                if p.grad is not None:
-                    p.grad = accelerator.reduce(p.grad, reduction="mean")
-        if trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0:
-            # The trained gradient was clipped already; clip the recomputed one the same way.
-            torch.nn.utils.clip_grad_norm_([p for _, p in named], trainer.args.max_grad_norm)
-        recomputed = _flat(named)
-    finally:
-        for (_, p), g in zip(named, saved, strict=True):
-            p.grad = g
-        torch.random.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-    return _relative(recomputed, trained)
-
-
-def _rows(batch, i):
-    return {k: v[i : i + 1] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}

@@ -229,8 +229,7 @@ def test_deepspeed_backward_does_not_divide_by_accumulation_steps(tmp_path):
     model = build_model("llama")
     trainer = TokenWeightedTrainer(model=model, args=train_args(tmp_path, 2, 2), data_collator=COLLATE)
     batches = [COLLATE(examples[:2]), COLLATE(examples[2:])]
-    trainer.window = trainer.count_window(batches, torch.device("cpu"))
-    trainer._window_left = 2
+    trainer.window = trainer.open_window(batches, torch.device("cpu"))
     seen = {}
 
     def fake_backward(loss, **kwargs):
