@@ -7,6 +7,7 @@ from .batching import TokenBudgetBatchSampler, pack_dataset, pack_examples
 from .collator import DataCollatorForCausalLM
 from .data import DataArguments, build_sft_dataset, load_sft_source
 from .distributed import get_gradient_scale
+from .function_objective import FunctionObjective, LossFunctionObjective
 from .loss import (
     IGNORE_INDEX,
     LossSums,
@@ -22,8 +23,6 @@ from .loss import (
 from .modeling import ModelArguments, apply_lora, build_tiny_llama, get_tokenizer, load_causal_lm
 from .objective import (
     CausalLMObjective,
-    FunctionObjective,
-    LossFunctionObjective,
     ModelLossObjective,
     MultiLabelObjective,
     Objective,

@@ -6,12 +6,16 @@ ways of (not) stepping.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 def get_gradient_scale(distributed_type: DistributedType, num_processes: int) -> int:
@@ -147,7 +151,7 @@ def fsdp2_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def trim_repeated_examples(accelerator, batch_samples: list) -> tuple[set[int], int]:
+def trim_repeated_examples(accelerator, batch_samples: list, warn: bool = True) -> tuple[set[int], int]:
     """Cut the examples accelerate repeats at the end of an epoch out of a window's micro-batches, in place.
 
     With several ranks, accelerate (``even_batches``) fills the last batch of every rank with examples from the
@@ -155,7 +159,8 @@ def trim_repeated_examples(accelerator, batch_samples: list) -> tuple[set[int], 
     second time, and counts them. Here the last micro-batch is cut to its real rows; a micro-batch that holds only
     repeats still runs (every rank must take part in the gradient all-reduce) but must contribute nothing.
 
-    Returns ``(indices of the micro-batches that hold only repeats, number of repeated rows cut)``.
+    Returns ``(indices of the micro-batches that hold only repeats, number of repeated rows cut)``; with ``warn``,
+    a cut is said at WARNING level.
     """
     if not batch_samples:
         return set(), 0
@@ -164,5 +169,59 @@ def trim_repeated_examples(accelerator, batch_samples: list) -> tuple[set[int], 
     real = count_real_rows(accelerator, rows)
     if real >= rows:
         return set(), 0
+    if warn:
+        logger.warning(
+            "hfacc: the last batch of the epoch on rank %d holds %d example(s) that accelerate repeats so that "
+            "every rank gets a full batch (even_batches); hfacc neither counts nor trains them, so the last step "
+            "is the exact mean over the real examples (stock Trainer trains them twice).",
+            accelerator.process_index,
+            rows - real,
+        )
     batch_samples[-1] = take_rows(last, max(real, 1))
     return ({len(batch_samples) - 1} if real == 0 else set()), rows - real
+
+
+def check_data_parallel(accelerator, is_fsdp_enabled: bool) -> None:
+    """Refuse what hfacc's counting does not cover (tensor/context/sequence parallelism, processes that train
+    alone), and say when an FSDP config silently became DDP."""
+    pc = getattr(accelerator, "parallelism_config", None)
+    if pc is not None and any(getattr(pc, f"{kind}_enabled", False) for kind in ("tp", "cp", "sp")):
+        raise NotImplementedError(
+            "hfacc counts targets per data-parallel rank; tensor, context and sequence parallelism are not "
+            "supported yet. Remove parallelism_config or use the stock Trainer."
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:
+        raise RuntimeError(
+            f"{launched} processes were launched (WORLD_SIZE) but this one trains alone (world size "
+            f"{accelerator.num_processes}), so every process would train its own copy. On a machine without "
+            "GPUs pass use_cpu=True (TokenWeightedArguments does this by itself) so the processes join over gloo."
+        )
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not is_fsdp_enabled:
+        # accelerate enables FSDP only for GPU-like distributed types (state.py); CPU processes get DDP silently.
+        logger.warning(
+            "hfacc: the accelerate config asks for FSDP, but accelerate shards only on GPUs (and XPU/NPU/...): "
+            "these %d CPU processes train as plain data parallel (DDP), each holding the whole model. The update "
+            "is the same; the memory saving is not there.",
+            accelerator.num_processes,
+        )
+
+
+def undo_evaluation_preparation(accelerator, model: nn.Module, model_wrapped: nn.Module) -> None:
+    """Let ``train()`` wrap the model for data parallelism after an ``evaluate()`` that came first.
+
+    The stock evaluation loop prepares a bare model in evaluation mode (no DDP wrapper), and accelerate marks it
+    prepared; ``train()``'s own prepare then returns it unwrapped, so on several ranks each rank steps with its
+    own gradient, never all-reduced (transformers 5.24 with accelerate 1.15; the recipe evaluates first).
+    DeepSpeed and FSDP prepare fully in evaluation too: nothing to undo.
+    """
+    plugins = (getattr(accelerator.state, "deepspeed_plugin", None), getattr(accelerator.state, "fsdp_plugin", None))
+    if (
+        accelerator.num_processes > 1
+        and all(p is None for p in plugins)
+        and model_wrapped is model
+        and getattr(model, "_is_accelerate_prepared", False)
+    ):
+        extract_model_from_parallel(model, keep_fp32_wrapper=False)  # prepare() puts the autocast wrapper back
+        model._is_accelerate_prepared = False
+        accelerator._models = [m for m in accelerator._models if m is not model]

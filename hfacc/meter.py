@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
-from .distributed import reduce_sum
-from .loss import LossSums
+from .distributed import count_real_rows, num_rows, reduce_sum, take_rows
+from .loss import LossSums, sums_per_row
 
 
 class LossMeter:
@@ -79,6 +80,24 @@ class LossMeter:
             per_example = accelerator.gather_for_metrics(per_example)
         self.eval += per_example.reshape(-1, 3).sum(0)
         self.eval_seen = True
+
+    def add_evaluation_batch(self, objective, model, inputs, packed: bool, accelerator) -> tuple[Any, LossSums]:
+        """Run one evaluation batch; add its sums, without the examples accelerate repeated, to the eval totals."""
+        if objective.sums_per_sequence:
+            outputs, sums = objective(model, inputs, per_sequence=True)
+            if packed:
+                # One value per row, as gather_for_metrics expects: it drops the rows repeated across ranks.
+                sums = sums_per_row(sums, inputs["position_ids"])
+            self.add_eval(sums, accelerator)  # gather_for_metrics drops the repeated rows
+            return outputs, sums
+        outputs, sums = objective(model, inputs)
+        rows = num_rows(inputs)
+        real = count_real_rows(accelerator, rows)
+        counted = sums
+        if real < rows:  # the last batch on several ranks: count its real rows only
+            counted = objective(model, take_rows(inputs, real))[1] if real else LossSums(*(t * 0 for t in sums))
+        self.add_eval_local(counted.total())
+        return outputs, sums
 
     def add_eval_local(self, sums: LossSums) -> None:
         """Sums of this rank's real examples only (objectives without per-sequence sums)."""

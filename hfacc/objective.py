@@ -14,7 +14,8 @@ except for :class:`ModelLossObjective`, the explicit fallback for losses hfacc c
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from .model_io import (
 logger = logging.getLogger(__name__)
 
 
-class Objective:
+class Objective(ABC):
     """Base class: subclass it to make a custom loss exact under accumulation.
 
     Args:
@@ -76,13 +77,13 @@ class Objective:
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
 
+    @abstractmethod
     def count(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """``tensor([num_targets, num_sequences_with_a_target])`` of one micro-batch (int64)."""
-        raise NotImplementedError
+        """``tensor([num_targets, num_sequences_with_a_target])`` of one micro-batch (int64), before any forward."""
 
+    @abstractmethod
     def __call__(self, model: nn.Module, batch: Mapping[str, Any], per_sequence: bool = False):
-        """Run ``model`` on ``batch``; return ``(outputs, LossSums)``."""
-        raise NotImplementedError
+        """Run ``model`` on ``batch``; return ``(outputs, LossSums)``: sums over the targets ``count`` counted."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -304,110 +305,6 @@ class ModelLossObjective(Objective):
         return outputs, LossSums(loss, one, one * 0)
 
 
-class FunctionObjective(Objective):
-    """An objective from two functions, for users who would rather not subclass.
-
-    Args:
-        count_fn: ``batch -> number of targets`` (an int or a 0-d tensor), called before any forward.
-        loss_fn: ``(outputs, batch) -> summed loss over those targets`` (a 0-d tensor).
-        forward_fn: ``(model, batch) -> outputs``; by default the model is called on the batch without its labels.
-
-    >>> objective = FunctionObjective(
-    ...     count_fn=lambda batch: (batch["labels"] != -100).sum(),
-    ...     loss_fn=lambda outputs, batch: torch.nn.functional.cross_entropy(
-    ...         outputs.logits.flatten(0, -2), batch["labels"].flatten(), reduction="sum"),
-    ... )
-    """
-
-    name = "function"
-    has_accuracy = False
-    sums_per_sequence = False
-
-    def __init__(
-        self,
-        count_fn: Callable[[Mapping[str, Any]], Any],
-        loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
-        forward_fn: Callable[[nn.Module, Mapping[str, Any]], Any] | None = None,
-    ):
-        super().__init__()
-        self.count_fn, self.loss_fn, self.forward_fn = count_fn, loss_fn, forward_fn
-
-    def count(self, batch):
-        n = torch.as_tensor(self.count_fn(batch)).long().reshape(())
-        return torch.stack([n, (n > 0).long()])
-
-    def __call__(self, model, batch, per_sequence=False):
-        if per_sequence:
-            raise ValueError("FunctionObjective supports normalization 'token' and 'micro_batch', not 'sequence'")
-        outputs = self.forward_fn(model, batch) if self.forward_fn else model(**model_inputs(batch))
-        loss = self.loss_fn(outputs, batch)
-        count = torch.as_tensor(self.count_fn(batch), device=loss.device).long().reshape(())
-        return outputs, LossSums(loss, count, count * 0)
-
-
-class LossFunctionObjective(Objective):
-    """transformers' ``compute_loss_func``, made exact under accumulation.
-
-    ``Trainer(compute_loss_func=f)`` calls ``f(outputs, labels, num_items_in_batch=N)`` and, as transformers
-    documents, ``f`` returns the summed loss over the targets divided by ``N``. Called with ``num_items_in_batch=1``
-    it therefore returns the sum ``S_j`` itself, which hfacc normalizes by the window's global count like any other
-    loss: ``S_j / N_window * P``. The targets are counted by ``counter``, the objective hfacc picks for the model
-    (for a causal LM: labels != -100 after the shift, what transformers counts too).
-
-    A function that ignores ``num_items_in_batch`` (returns a mean) cannot be made exact that way: the first
-    micro-batch with targets is evaluated with ``num_items_in_batch`` 1 and 2, and a function whose result does not
-    halve is refused with an error that shows the exact alternative.
-
-    Args:
-        loss_func: ``(outputs, labels, num_items_in_batch=...) -> loss``, as given to ``transformers.Trainer``.
-        counter: the objective whose ``count`` says what a target is.
-    """
-
-    name = "compute_loss_func"
-    has_accuracy = False
-    sums_per_sequence = False
-
-    def __init__(self, loss_func: Callable[..., torch.Tensor], counter: Objective):
-        super().__init__()
-        self.loss_func, self.counter = loss_func, counter
-        self.checked = False
-
-    def count(self, batch):
-        return self.counter.count(batch)
-
-    def __call__(self, model, batch, per_sequence=False):
-        if per_sequence:
-            raise ValueError("compute_loss_func supports normalization 'token' and 'micro_batch', not 'sequence'")
-        outputs = model(**model_inputs(batch))
-        labels = batch.get("labels")
-        device = labels.device if torch.is_tensor(labels) else None
-        loss = self.loss_func(outputs, labels, num_items_in_batch=torch.tensor(1, device=device))
-        if not self.checked:
-            with torch.no_grad():
-                half = self.loss_func(outputs, labels, num_items_in_batch=torch.tensor(2, device=device))
-            self._check_division(loss.detach().float(), half.detach().float())
-        count = self.counter.count(batch)[0].to(loss.device)
-        return outputs, LossSums(loss, count, count * 0)
-
-    def _check_division(self, one: torch.Tensor, two: torch.Tensor) -> None:
-        if not (torch.isfinite(one) and one.abs() > 0):
-            return  # nothing to learn from a micro-batch without targets: check the next one
-        self.checked = True
-        if not torch.isclose(one, 2 * two, rtol=1e-3, atol=0):
-            raise ValueError(
-                f"compute_loss_func does not divide by num_items_in_batch: it returned {one.item():.6g} with "
-                f"num_items_in_batch=1 and {two.item():.6g} with 2. Its micro-batch means would not add up to the "
-                "big batch's mean. Make it return the loss summed over the targets divided by num_items_in_batch, "
-                "as transformers documents (e.g. transformers.loss.loss_utils.ForCausalLMLoss(outputs['logits'], "
-                "labels, vocab_size, num_items_in_batch)), or drop compute_loss_func and pass the exact equivalent, "
-                "objective=hfacc.FunctionObjective(count_fn=lambda batch: (batch['labels'][..., 1:] != -100).sum(), "
-                "loss_fn=lambda outputs, batch: <the loss summed over those targets>)."
-            )
-
-    def __repr__(self) -> str:
-        return f"LossFunctionObjective(counting like {self.counter!r})"
-
-
 OBJECTIVES = {
     cls.name: cls
     for cls in (
@@ -528,8 +425,6 @@ __all__ = [
     "MultiLabelObjective",
     "RegressionObjective",
     "ModelLossObjective",
-    "FunctionObjective",
-    "LossFunctionObjective",
     "get_objective",
     "get_num_virtual_tokens",
     "count_targets",
