@@ -15,7 +15,7 @@ The job itself (its settings, SFTArguments, and main) lives in hfacc/sft.py, so 
 
 import sys
 
-from hfacc.sft import DEFAULT_CONFIG, SFT_ARGUMENTS, SFTArguments, cli, main  # noqa: F401  (tests import these)
+from hfacc.sft import DEFAULT_CONFIG, SFT_ARGUMENTS, SFTArguments, cli, default_config, main  # noqa: F401 (tests use them)
 
 if __name__ == "__main__":
     sys.exit(cli())
