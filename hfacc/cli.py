@@ -118,6 +118,7 @@ def run_show_mask(argv: list[str], guard) -> int:
         example_rows,
         render_mask,
     )
+    from .loss import count_example_targets
     from .modeling import ModelArguments, load_model_and_tokenizer
 
     show, model_args, data_args = guard.settings = parse_args(
@@ -137,7 +138,7 @@ def run_show_mask(argv: list[str], guard) -> int:
         except DataError as err:  # no target left after truncation, or too long with truncation='drop'
             print(f"{header}: not trained ({err}) ---\n")
             continue
-        targets = sum(1 for y in example["labels"][1:] if y != -100)
+        targets = count_example_targets(example["labels"])
         print(
             f"{header}: {len(example['input_ids'])} tokens, {targets} targets"
             + (f"; masked by {method}" if method else "")

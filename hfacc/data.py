@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .chat import ChatTemplateError, get_assistant_spans
-from .loss import IGNORE_INDEX
+from .loss import IGNORE_INDEX, count_example_targets
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def build_sft_dataset(
             )
         if too_long and truncation == "right":
             ids, labels = ids[:max_length], labels[:max_length]
-        num_targets = sum(1 for y in labels[1:] if y != IGNORE_INDEX)
+        num_targets = count_example_targets(labels)
         keep = not (too_long and truncation == "drop") and num_targets > 0
         return {
             "input_ids": ids,

@@ -15,6 +15,7 @@ The functions here never divide by anything but the window's count: they return 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -140,6 +141,18 @@ def count_targets(
     if shift:
         labels = shift_labels(labels, ignore_index, position_ids=position_ids, attention_mask=attention_mask)
     return (labels != ignore_index).sum()
+
+
+def count_example_targets(labels: Sequence[int], ignore_index: int = IGNORE_INDEX) -> int:
+    """Targets of one unpadded sequence given as a list of labels: :func:`count_targets` with ``shift=True``.
+
+    The first label is never a target (nothing predicts it); the others are when not ``ignore_index``. A plain loop,
+    no tensor, for counting example by example while a dataset is tokenized.
+
+    >>> count_example_targets([5, -100, 7, 8])
+    2
+    """
+    return sum(1 for y in labels[1:] if y != ignore_index)
 
 
 def cross_entropy_sums(
