@@ -29,8 +29,8 @@ from .objective import (
     RegressionObjective,
     SequenceClassificationObjective,
     TokenObjective,
-    get_objective,
 )
+from .objective_choice import get_objective
 from .step_gate import NonFiniteLossError
 from .trainer import TokenWeightedTrainer
 from .verify import verify_accumulation

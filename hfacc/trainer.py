@@ -46,8 +46,8 @@ from .objective import (
     CausalLMObjective,
     ModelLossObjective,
     Objective,
-    get_objective,
 )
+from .objective_choice import get_objective
 from .padding_free import choose_padding_free, remove_padding
 from .step_gate import NonFiniteLossError, StepGate
 from .window import Window, compute_micro_batch_loss, count_window

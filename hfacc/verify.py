@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .arguments import TokenWeightedArguments
 from .audit import (
     AccumulationAuditCallback,
     clear_grads,
@@ -32,11 +33,18 @@ from .distributed import get_gradient_scale
 from .loss import LossSums, WindowCounts, normalize_window_loss
 from .loss_path import choose_loss_path
 from .model_io import get_aux_loss, get_base_model
-from .objective import CausalLMObjective, Objective, get_objective
+from .objective import CausalLMObjective, Objective
+from .objective_choice import get_objective
 from .window import compute_micro_batch_loss, count_window
 
 PATHS = ("hfacc", "stock")
 logger = logging.getLogger(__name__)
+
+
+def training_field(name: str):
+    """The field ``name`` as :class:`TokenWeightedArguments` defines it: verify checks what training would do."""
+    defined = TokenWeightedArguments.__dataclass_fields__[name]
+    return field(default=defined.default, metadata=dict(defined.metadata))
 
 
 @dataclass
@@ -45,8 +53,8 @@ class VerifyArguments:
 
     per_device_train_batch_size: int = field(default=2, metadata={"help": "Micro-batch size (per rank)."})
     gradient_accumulation_steps: int = field(default=4, metadata={"help": "Micro-batches per optimizer step."})
-    normalization: str = field(default="token", metadata={"help": "'token', 'sequence' or 'micro_batch'."})
-    objective: str = field(default="auto", metadata={"help": "What a target is ('auto': from the model head)."})
+    normalization: str = training_field("normalization")
+    objective: str = training_field("objective")
     tolerance: float = field(
         default=1e-5, metadata={"help": "Largest relative L2 error of the whole gradient that counts as exact (fp32)."}
     )
@@ -64,9 +72,7 @@ class VerifyArguments:
     )
     num_worst: int = field(default=5, metadata={"help": "How many of the worst parameter tensors to list."})
     seed: int = field(default=0, metadata={"help": "Seed of the data sampling and of random ops."})
-    fused_loss: bool = field(
-        default=True, metadata={"help": "Accumulate through the fused chunked loss where training would use it."}
-    )
+    fused_loss: bool = training_field("fused_loss")
     json_path: str | None = field(default=None, metadata={"help": "Also write the report as JSON here."})
 
     def __post_init__(self):
