@@ -9,6 +9,9 @@ An :class:`Objective` answers two questions, in this order:
 
 hfacc never hands ``labels`` to the model (it would compute, and pay for, a second loss that is then thrown away),
 except for :class:`ModelLossObjective`, the explicit fallback for losses hfacc cannot reproduce.
+
+Next door: :mod:`hfacc.objective_choice` picks the objective a model calls for (``objective="auto"``);
+:mod:`hfacc.function_objective` builds one from the user's functions (``FunctionObjective``, ``compute_loss_func``).
 """
 
 from __future__ import annotations
