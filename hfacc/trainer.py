@@ -67,8 +67,8 @@ class TokenWeightedTrainer(Trainer):
     Args:
         objective: an :class:`hfacc.Objective` or its name; overrides ``args.objective``. Needed only for losses
             hfacc cannot infer from the model head.
-        *args, **kwargs: as for ``transformers.Trainer``. ``args`` may be a plain ``TrainingArguments`` or a
-            :class:`TokenWeightedArguments`.
+        model, args, *rest, **kwargs: as for ``transformers.Trainer``. ``args`` may be a plain
+            ``TrainingArguments``: it is converted once to :class:`TokenWeightedArguments` (hfacc's defaults added).
 
     >>> trainer = TokenWeightedTrainer(model=model, args=TokenWeightedArguments(  # doctest: +SKIP
     ...     output_dir="out", per_device_train_batch_size=2, gradient_accumulation_steps=4),
