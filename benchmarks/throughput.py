@@ -39,9 +39,10 @@ from datasets import Dataset  # noqa: E402
 from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from hfacc import TokenWeightedArguments, TokenWeightedTrainer  # noqa: E402
+from hfacc.fused_loss import FusedOutputHead  # noqa: E402
 from hfacc.loss import shift_labels  # noqa: E402
 from hfacc.memory import peak_memory  # noqa: E402
-from hfacc.objective import CausalLMObjective, _FusedOutputHead  # noqa: E402
+from hfacc.objective import CausalLMObjective  # noqa: E402
 from hfacc.padding_free import remove_padding, uses_one_row  # noqa: E402
 
 BS, GA, MIN_LEN, MAX_LEN = 8, 2, 32, 512
@@ -177,7 +178,7 @@ def memory_table(cli, examples):
     def hfacc_loss():
         h = hidden.clone().requires_grad_()
         with amp:
-            fused = _FusedOutputHead(head, shift_labels(labels), 0, 0.0)
+            fused = FusedOutputHead(head, shift_labels(labels), 0, 0.0)
             loss = fused(h) / fused.result[0].count
         loss.backward()
 

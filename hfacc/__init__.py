@@ -1,9 +1,13 @@
 """hfacc: k accumulated micro-batches give exactly the update of one big batch."""
 
 from .accumulation import MicroBatch, accumulation_window, iter_windows
+from .arguments import TokenWeightedArguments
+from .audit import AccumulationAuditCallback
 from .batching import TokenBudgetBatchSampler, pack_dataset, pack_examples
 from .collator import DataCollatorForCausalLM
 from .data import DataArguments, build_sft_dataset, load_sft_source
+from .distributed import get_gradient_scale
+from .function_objective import FunctionObjective, LossFunctionObjective
 from .loss import (
     IGNORE_INDEX,
     LossSums,
@@ -19,18 +23,17 @@ from .loss import (
 from .modeling import ModelArguments, apply_lora, build_tiny_llama, get_tokenizer, load_causal_lm
 from .objective import (
     CausalLMObjective,
-    FunctionObjective,
-    LossFunctionObjective,
     ModelLossObjective,
     MultiLabelObjective,
     Objective,
     RegressionObjective,
     SequenceClassificationObjective,
     TokenObjective,
-    get_objective,
 )
-from .trainer import NonFiniteLossError, TokenWeightedArguments, TokenWeightedTrainer, get_gradient_scale
-from .verify import AccumulationAuditCallback, verify_accumulation
+from .objective_choice import get_objective
+from .step_gate import NonFiniteLossError
+from .trainer import TokenWeightedTrainer
+from .verify import verify_accumulation
 
 __version__ = "0.1.0"
 

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .distributed import fsdp2_no_sync, get_gradient_scale, is_fsdp2
 from .loss import LossSums, WindowCounts, normalize_window_loss
 from .objective import CausalLMObjective, Objective
-from .trainer import get_gradient_scale
+from .window import count_window
 
 
 @dataclass
@@ -56,10 +57,10 @@ class MicroBatch:
         """
         if self.is_last:
             return contextlib.nullcontext()
-        if _is_fsdp2(self._model) and not getattr(self._accelerator, "is_fsdp2", False):
+        if is_fsdp2(self._model) and not getattr(self._accelerator, "is_fsdp2", False):
             # A model sharded with torch's fully_shard directly (accelerate's no_sync only knows its own FSDP2):
             # keep the gradients unsharded and local until the last micro-batch, as accelerate does.
-            return _fsdp2_no_sync(self._model)
+            return fsdp2_no_sync(self._model)
         return self._accelerator.no_sync(self._model)
 
     def scale(self, sums: LossSums) -> torch.Tensor:
@@ -71,23 +72,6 @@ class MicroBatch:
         world = get_gradient_scale(self._accelerator.distributed_type, self._accelerator.num_processes)
         loss = normalize_window_loss(sums, self.window, normalization=self._normalization, world_size=world)
         return loss * getattr(self._accelerator, "gradient_accumulation_steps", 1)
-
-
-def _is_fsdp2(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        return False
-    return isinstance(model, FSDPModule)
-
-
-@contextlib.contextmanager
-def _fsdp2_no_sync(model):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
 
 
 def iter_windows(dataloader: Iterable, gradient_accumulation_steps: int) -> Iterator[list]:
@@ -121,17 +105,14 @@ def accumulation_window(
         normalization: ``"token"`` (default), ``"sequence"`` or ``"micro_batch"``.
     """
     objective = objective or CausalLMObjective()
-    device = accelerator.device
-    counts = torch.zeros(2, dtype=torch.long, device=device)
-    for batch in batches:
-        if isinstance(objective, Objective):
-            counts += objective.count(batch).to(device)
-        else:
-            n = torch.as_tensor(objective(batch), device=device).long()
-            counts += torch.stack([n, (n > 0).long()])
-    if accelerator.num_processes > 1:
-        counts = accelerator.reduce(counts, reduction="sum")
-    num_targets, num_sequences = counts.tolist()
-    window = WindowCounts(num_targets, num_sequences, len(batches))
+    if isinstance(objective, Objective):
+        count = objective.count
+    else:
+
+        def count(batch):
+            n = torch.as_tensor(objective(batch), device=accelerator.device).long()
+            return torch.stack([n, (n > 0).long()])
+
+    window = count_window(count, batches, accelerator)
     for i, batch in enumerate(batches):
         yield MicroBatch(batch, i, window, i == len(batches) - 1, accelerator, model, normalization)

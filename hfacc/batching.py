@@ -13,8 +13,9 @@ import logging
 import random
 from collections.abc import Iterator, Sequence
 
+import datasets
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from .loss import IGNORE_INDEX, get_sequence_starts
 
@@ -242,7 +243,7 @@ def check_packing(model, batch, tolerance: float = 1e-4) -> str | None:
     the wrong context. A model whose forward takes no ``position_ids`` (Bloom) cannot tell them apart at all; it
     is refused without a run. The comparison is relative to the largest logit, in fp32.
     """
-    from .objective import get_base_model, get_logits
+    from .model_io import get_base_model, get_logits
 
     problem = position_ids_problem(get_base_model(model))
     if problem:
@@ -267,3 +268,43 @@ def check_packing(model, batch, tolerance: float = 1e-4) -> str | None:
             f"{worst:.1e} relative)"
         )
     return None
+
+
+def build_token_budget_loader(dataset, collator, args) -> DataLoader:
+    """A DataLoader of micro-batches of at most ``args.max_tokens_per_batch`` padded tokens each
+    (:class:`TokenBudgetBatchSampler`), with the Trainer's loader settings (workers, pinning, seed)."""
+    budget = args.max_tokens_per_batch
+    lengths = dataset["input_ids"] if isinstance(dataset, datasets.Dataset) else [e["input_ids"] for e in dataset]
+    sampler = TokenBudgetBatchSampler(
+        [len(x) for x in lengths],
+        budget,
+        shuffle=args.train_sampling_strategy != "sequential",
+        seed=args.data_seed if args.data_seed is not None else args.seed,
+        group_size=args.length_group_size,
+    )
+    logger.info(
+        "hfacc: %d micro-batches of <= %d padded tokens per epoch (%.1f %% padding).",
+        len(sampler),
+        budget,
+        100 * sampler.padding_fraction,
+    )
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=collator,
+        num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory,
+        persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
+    )
+
+
+def require_packing_support(model, batch) -> None:
+    """Raise unless ``model`` keeps the packed sequences of ``batch`` apart (:func:`check_packing`)."""
+    problem = check_packing(model, batch)
+    if problem:
+        raise RuntimeError(
+            f"hfacc: {problem}. Turn packing off (recipe: --packing false), or use a model and attention "
+            "implementation that keep packed sequences apart (attn_implementation='sdpa' or "
+            "'flash_attention_2' on a model whose forward takes position_ids)."
+        )
+    logger.info("hfacc: packed rows checked: each sequence's logits match its unpacked run.")

@@ -101,3 +101,15 @@ __all__ = [
     "resolve_checkpoint",
     "rotate_checkpoints",
 ]
+
+
+def complete_checkpoint(run_dir: str, state, save_total_limit: int | None) -> None:
+    """Mark the checkpoint of ``state.global_step`` complete, then rotate old ones (never before: a crash
+    mid-save must not cost the last good checkpoint)."""
+    mark_checkpoint_complete(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+    rotate_checkpoints(
+        output_dir=run_dir,
+        save_total_limit=save_total_limit,
+        best_model_checkpoint=state.best_model_checkpoint,
+        use_mtime=True,
+    )

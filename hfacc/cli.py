@@ -1,5 +1,6 @@
-"""The ``hfacc`` command: ``hfacc verify`` and ``hfacc show-mask``.
+"""The ``hfacc`` command: ``hfacc sft``, ``hfacc verify`` and ``hfacc show-mask``.
 
+hfacc sft                                      # the job of `accelerate launch recipes/sft.py` (hfacc/sft.py)
 hfacc verify                                   # embedded tiny Llama and data: PASS/FAIL in seconds
 hfacc verify --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name my.jsonl --gradient_accumulation_steps 8
 hfacc verify --config recipes/configs/smollm2-135m_full.yaml
@@ -17,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 
 COMMANDS = {
+    "sft": "fine-tune with loss masking and exact accumulation (the job of recipes/sft.py)",
     "verify": "check that accumulation equals one big batch for a model and data",
     "show-mask": "print examples with the tokens that carry loss highlighted",
 }
@@ -39,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:10s} {text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
+    if command == "sft":  # the recipe's own entry point: it sets up its console and its user errors itself
+        from .sft import cli
+
+        return cli(rest)
     from .console import pop_debug_flag, setup_console, user_errors
 
     setup_console()  # warnings as plain lines; no bars for the handful of rows these commands tokenize
@@ -51,17 +57,18 @@ def run_verify(argv: list[str], guard) -> int:
     import torch
     from accelerate import Accelerator
 
+    from .arguments import TokenWeightedArguments
     from .collator import DataCollatorForCausalLM
     from .config import parse_args
     from .data import DataArguments, build_examples
     from .modeling import ModelArguments, load_model_and_tokenizer
-    from .trainer import TokenWeightedArguments
+    from .sft import SFTArguments
     from .verify import VerifyArguments, verify_accumulation
 
     verify_args, model_args, data_args = guard.settings = parse_args(
         [VerifyArguments, ModelArguments, DataArguments],
         argv,
-        ignore_types=(TokenWeightedArguments, _SFTKeys),  # a recipe config's training keys are not verify's
+        ignore_types=(TokenWeightedArguments, SFTArguments),  # a recipe config's training keys are not verify's
         prog="hfacc verify",
     )
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
@@ -111,6 +118,7 @@ def run_show_mask(argv: list[str], guard) -> int:
         example_rows,
         render_mask,
     )
+    from .loss import count_example_targets
     from .modeling import ModelArguments, load_model_and_tokenizer
 
     show, model_args, data_args = guard.settings = parse_args(
@@ -130,7 +138,7 @@ def run_show_mask(argv: list[str], guard) -> int:
         except DataError as err:  # no target left after truncation, or too long with truncation='drop'
             print(f"{header}: not trained ({err}) ---\n")
             continue
-        targets = sum(1 for y in example["labels"][1:] if y != -100)
+        targets = count_example_targets(example["labels"])
         print(
             f"{header}: {len(example['input_ids'])} tokens, {targets} targets"
             + (f"; masked by {method}" if method else "")
@@ -141,14 +149,6 @@ def run_show_mask(argv: list[str], guard) -> int:
         print(render_mask(tokenizer, example["input_ids"], example["labels"], color=show.color))
         print()
     return 0
-
-
-@dataclass
-class _SFTKeys:
-    # Keys of recipes/sft.py's own SFTArguments, so `hfacc verify --config` accepts a recipe config.
-    num_exact_match_examples: int = 0
-    max_new_tokens: int = 0
-    pad_to_multiple_of: int | None = None
 
 
 if __name__ == "__main__":

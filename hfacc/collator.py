@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .loss import IGNORE_INDEX
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -99,3 +102,22 @@ def _pad(rows: Sequence[Sequence[int]], length: int, value: int) -> torch.Tensor
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
     return out
+
+
+def warn_about_padding_labels(batches: list[Mapping[str, Any]]) -> None:
+    """Say once when a collator left labels on padding: padding is never a target (:func:`hfacc.loss.shift_labels`).
+
+    Stock ``Trainer`` would train them (the last token learns to predict the pad, pads predict pads); hfacc does not,
+    padded or padding-free, so the two give the same update.
+    """
+    found = 0
+    for batch in batches:
+        labels, mask = batch.get("labels"), batch.get("attention_mask")
+        if torch.is_tensor(labels) and torch.is_tensor(mask) and mask.shape == labels.shape:
+            found += int(((labels != IGNORE_INDEX) & (mask == 0)).sum())
+    if found:
+        logger.warning(
+            "hfacc: %d labels at padding positions (attention_mask 0) are not -100 in the first window; padding is "
+            "never a target, so they are ignored. To train an end-of-sequence token, put it in the examples.",
+            found,
+        )

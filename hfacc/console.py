@@ -61,8 +61,8 @@ def describe_user_error(err: BaseException, settings: Sequence[Any] = ()) -> str
     chain = list(_exception_chain(err))
     if isinstance(err, ConfigError | DataError):
         return str(err)
-    trainer = sys.modules.get("hfacc.trainer")  # not imported: the error cannot have come from it
-    if trainer is not None and isinstance(err, trainer.NonFiniteLossError):
+    gate = sys.modules.get("hfacc.step_gate")  # not imported: the error cannot have come from it
+    if gate is not None and isinstance(err, gate.NonFiniteLossError):
         return f"{err} Lower the learning rate, or check the data for extreme values."
     if _is_oom(err):
         return (

@@ -14,6 +14,9 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -194,8 +197,6 @@ def build_bpe_tokenizer(
 
 def build_default_model(tokenizer, hidden_size: int = 256, num_layers: int = 2, seed: int = 0):
     """The tiny Llama of the default run, sized to the tokenizer."""
-    from .modeling import build_tiny_llama
-
     model = build_tiny_llama(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -210,3 +211,39 @@ def build_default_model(tokenizer, hidden_size: int = 256, num_layers: int = 2, 
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
+
+
+def build_tiny_llama(
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    **config_overrides,
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama-style causal LM, built from a config (no download), fp32, deterministic.
+
+    >>> model = build_tiny_llama(vocab_size=64)
+    >>> model(torch.tensor([[1, 2, 3]])).logits.shape
+    torch.Size([1, 3, 64])
+    """
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        **config_overrides,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.float()

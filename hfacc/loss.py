@@ -15,6 +15,7 @@ The functions here never divide by anything but the window's count: they return 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -140,6 +141,18 @@ def count_targets(
     if shift:
         labels = shift_labels(labels, ignore_index, position_ids=position_ids, attention_mask=attention_mask)
     return (labels != ignore_index).sum()
+
+
+def count_example_targets(labels: Sequence[int], ignore_index: int = IGNORE_INDEX) -> int:
+    """Targets of one unpadded sequence given as a list of labels: :func:`count_targets` with ``shift=True``.
+
+    The first label is never a target (nothing predicts it); the others are when not ``ignore_index``. A plain loop,
+    no tensor, for counting example by example while a dataset is tokenized.
+
+    >>> count_example_targets([5, -100, 7, 8])
+    2
+    """
+    return sum(1 for y in labels[1:] if y != ignore_index)
 
 
 def cross_entropy_sums(
@@ -272,94 +285,3 @@ def _elementwise_sums(values: torch.Tensor, correct: torch.Tensor, per_sequence:
     flat = values.reshape(values.shape[0], -1)
     count = torch.full((flat.shape[0],), flat.shape[1], device=values.device, dtype=torch.long)
     return LossSums(flat.sum(-1), count, correct.reshape(flat.shape).sum(-1))
-
-
-def fused_linear_cross_entropy_sums(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    *,
-    chunk_size: int = 0,
-    label_smoothing: float = 0.0,
-) -> tuple[LossSums, torch.Tensor, torch.Tensor]:
-    """Cross-entropy of ``hidden @ weight.T + bias`` against ``targets``, without ever holding all the logits.
-
-    ``hidden`` ``[N, H]`` are the final hidden states of the N target positions only (prompt and padding removed),
-    ``weight`` ``[V, H]`` the output projection. The sum ``S = sum_t CE(h_t W^T + b, y_t)`` is computed ``chunk_size``
-    rows at a time, and so is its gradient, in the same pass: for a chunk,
-    ``dS/dlogits = softmax(logits) - (1 - eps) * onehot(y) - eps / V``, then ``dS/dh = dlogits @ W`` and
-    ``dS/dW += dlogits^T @ h``. Only one ``[chunk, V]`` block of fp32 logits exists at a time, and no logits are
-    kept for backward: backward multiplies the stored gradients by the incoming scalar (S enters the loss
-    linearly, ``S_j / N * P``), in place, so it runs once (no ``retain_graph``). Same numbers as the plain path to
-    fp32 rounding.
-
-    Returns ``(LossSums, per_target_losses, per_target_correct)``; the per-target vectors (``[N]``, no gradient)
-    serve per-sequence sums in evaluation.
-    """
-    if chunk_size <= 0:
-        # 2**22 fp32 logits (16 MiB) per chunk: small against the model, big enough for efficient matmuls.
-        chunk_size = max(32, 2**22 // max(weight.shape[0], 1))
-    loss, per_target, correct = _FusedLinearCrossEntropy.apply(
-        hidden, weight, bias, targets, chunk_size, label_smoothing
-    )
-    count = torch.tensor(targets.numel(), device=targets.device)
-    return LossSums(loss, count, correct.sum()), per_target, correct
-
-
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_size, label_smoothing):
-        n, vocab = hidden.shape[0], weight.shape[0]
-        needs = ctx.needs_input_grad
-        grad_hidden = torch.empty_like(hidden) if needs[0] else None
-        # fp32 accumulators: the gradient of W is a sum over all chunks.
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
-        grad_bias = (
-            torch.zeros(vocab, dtype=torch.float32, device=weight.device) if bias is not None and needs[2] else None
-        )
-        losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        correct = torch.empty(n, dtype=torch.long, device=hidden.device)
-        for start in range(0, n, chunk_size):
-            h, y = hidden[start : start + chunk_size], targets[start : start + chunk_size]
-            logits = torch.nn.functional.linear(h, weight, bias).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            nll = lse - logits.gather(1, y[:, None]).squeeze(1)
-            if label_smoothing:
-                smooth = lse - logits.mean(dim=-1)  # mean over classes of -log p_c
-                losses[start : start + len(y)] = (1 - label_smoothing) * nll + label_smoothing * smooth
-            else:
-                losses[start : start + len(y)] = nll
-            correct[start : start + len(y)] = logits.argmax(dim=-1) == y
-            if grad_hidden is None and grad_weight is None and grad_bias is None:
-                continue
-            grad_logits = logits.sub_(lse[:, None]).exp_()  # softmax, in place: one [chunk, V] block at a time
-            grad_logits[torch.arange(len(y), device=y.device), y] -= 1 - label_smoothing
-            if label_smoothing:
-                grad_logits -= label_smoothing / vocab
-            if grad_hidden is not None:
-                grad_hidden[start : start + len(y)] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t(), h.float())  # in place: no [V, H] temporary per chunk
-            if grad_bias is not None:
-                grad_bias += grad_logits.sum(0)
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.mark_non_differentiable(losses, correct)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return losses.sum(), losses, correct
-
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_losses, _grad_correct):
-        if getattr(ctx, "done", False):
-            raise RuntimeError("the fused loss scales its stored gradients in place: backward through it only once")
-        ctx.done = True
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        # In place: a second [V, H] buffer would double the memory the fusion saves.
-        return (
-            None if grad_hidden is None else grad_hidden.mul_(grad_loss.to(grad_hidden.dtype)),
-            None if grad_weight is None else grad_weight.mul_(grad_loss).to(ctx.dtypes[0]),
-            None if grad_bias is None else grad_bias.mul_(grad_loss).to(ctx.dtypes[1]),
-            None,
-            None,
-            None,
-        )

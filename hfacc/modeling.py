@@ -6,45 +6,13 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
+
+# The tiny Llama is built with the embedded default, which needs it; it is re-exported here with the other models.
+from .embedded import build_default_model, build_default_tokenizer
+from .embedded import build_tiny_llama as build_tiny_llama
 
 logger = logging.getLogger(__name__)
-
-
-def build_tiny_llama(
-    vocab_size: int = 256,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    max_position_embeddings: int = 1024,
-    tie_word_embeddings: bool = False,
-    seed: int = 0,
-    **config_overrides,
-) -> LlamaForCausalLM:
-    """A randomly initialised Llama-style causal LM, built from a config (no download), fp32, deterministic.
-
-    >>> model = build_tiny_llama(vocab_size=64)
-    >>> model(torch.tensor([[1, 2, 3]])).logits.shape
-    torch.Size([1, 3, 64])
-    """
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2),
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-        **config_overrides,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return model.float()
 
 
 def load_causal_lm(
@@ -154,8 +122,6 @@ def load_model_and_tokenizer(args: ModelArguments, seed: int = 0):
     deterministic, so every rank of a distributed run builds the same ones.
     """
     if args.model_name_or_path is None:
-        from .embedded import build_default_model, build_default_tokenizer
-
         tokenizer = (
             get_tokenizer(args.tokenizer_name_or_path) if args.tokenizer_name_or_path else build_default_tokenizer()
         )

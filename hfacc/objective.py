@@ -9,49 +9,43 @@ An :class:`Objective` answers two questions, in this order:
 
 hfacc never hands ``labels`` to the model (it would compute, and pay for, a second loss that is then thrown away),
 except for :class:`ModelLossObjective`, the explicit fallback for losses hfacc cannot reproduce.
+
+Next door: :mod:`hfacc.objective_choice` picks the objective a model calls for (``objective="auto"``);
+:mod:`hfacc.function_objective` builds one from the user's functions (``FunctionObjective``, ``compute_loss_func``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import logging
-from collections.abc import Callable, Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused_loss import FusedOutputHead, swap_output_head
 from .loss import (
     IGNORE_INDEX,
     LossSums,
-    WindowCounts,
     binary_cross_entropy_sums,
     count_targets,
     cross_entropy_sums,
-    fused_linear_cross_entropy_sums,
     get_sequence_ids,
-    normalize_window_loss,
     per_sequence_sums,
     shift_labels,
     squared_error_sums,
 )
-
-try:  # FSDP2 and DTensor (torch >= 2.6); without them no weight is FSDP2-sharded
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-except ImportError:
-    FSDPModule = DTensor = None
-
-logger = logging.getLogger(__name__)
-
-# Batch keys that describe targets or hfacc's bookkeeping, never model inputs. `sequence_ids` / `num_sequences`: which
-# of the batch's sequences each position belongs to (-1: none), where a layout put several in a row (padding-free).
-NON_MODEL_KEYS = ("labels", "shift_labels", "sequence_ids", "num_sequences")
+from .model_io import (
+    get_base_model,
+    get_logits,
+    get_num_virtual_tokens,
+    model_inputs,
+    packed_position_ids,
+)
 
 
-class Objective:
+class Objective(ABC):
     """Base class: subclass it to make a custom loss exact under accumulation.
 
     Args:
@@ -83,13 +77,13 @@ class Objective:
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
 
+    @abstractmethod
     def count(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """``tensor([num_targets, num_sequences_with_a_target])`` of one micro-batch (int64)."""
-        raise NotImplementedError
+        """``tensor([num_targets, num_sequences_with_a_target])`` of one micro-batch (int64), before any forward."""
 
+    @abstractmethod
     def __call__(self, model: nn.Module, batch: Mapping[str, Any], per_sequence: bool = False):
-        """Run ``model`` on ``batch``; return ``(outputs, LossSums)``."""
-        raise NotImplementedError
+        """Run ``model`` on ``batch``; return ``(outputs, LossSums)``: sums over the targets ``count`` counted."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -106,11 +100,11 @@ class CausalLMObjective(Objective):
     per packed sequence, not per row.
 
     With ``fused=True`` the output projection's forward is swapped, for the length of one forward, for one that
-    computes the loss sums from the final hidden states in chunks (:func:`hfacc.loss.fused_linear_cross_entropy_sums`),
-    so the full ``[B, T, V]`` logits never exist; the model's output then holds the loss sum where its logits would
-    be. The head module itself is still called inside the model's own forward, so DDP sees every parameter it expects
-    and FSDP2/ZeRO-3 gather its weight as usual. :func:`check_fused_loss` decides whether a model can be taken apart
-    like this.
+    computes the loss sums from the final hidden states in chunks (:mod:`hfacc.fused_loss`), so the full
+    ``[B, T, V]`` logits never exist; the model's output then holds the loss sum where its logits would be. The head
+    module itself is still called inside the model's own forward, so DDP sees every parameter it expects and
+    FSDP2/ZeRO-3 gather its weight as usual. :func:`hfacc.loss_path.choose_loss_path` decides whether a model can be
+    taken apart like this.
     """
 
     name = "causal_lm"
@@ -153,7 +147,7 @@ class CausalLMObjective(Objective):
         return outputs, sums
 
     def _fused(self, model, inputs, targets, per_sequence, sequences=None):
-        head = _FusedOutputHead(
+        head = FusedOutputHead(
             get_base_model(model).get_output_embeddings(), targets, self.chunk_size, self.label_smoothing
         )
         with swap_output_head(model, head):
@@ -196,136 +190,6 @@ def get_batch_sequences(batch: Mapping[str, Any], shape: torch.Size) -> tuple[to
         return batch["sequence_ids"], batch["num_sequences"]
     positions = packed_position_ids(batch)
     return None if positions is None else get_sequence_ids(positions.expand(shape))
-
-
-def packed_position_ids(batch: Mapping[str, Any]) -> torch.Tensor | None:
-    """The ``position_ids`` of a batch of packed rows (given, 2-D, and no ``attention_mask``), else None.
-
-    This is when transformers (5.x) looks for sequences inside a row and keeps them apart in attention.
-    """
-    positions = batch.get("position_ids")
-    if torch.is_tensor(positions) and positions.dim() == 2 and batch.get("attention_mask") is None:
-        return positions
-    return None
-
-
-class _FusedOutputHead:
-    """The output projection's ``forward`` for one model forward: it returns the loss sum instead of logits.
-
-    Only the head's ``forward`` is replaced (:func:`swap_output_head`); the head module itself stays in the model and
-    is called as usual, so every hook a distributed engine put on it runs around this code. That is what gathers a
-    sharded weight exactly as the engine does for its own forward: FSDP2 has unsharded it (the root's all-gather, or
-    the head's own when it is a separate FSDP unit), DeepSpeed ZeRO-3 has gathered its partitions, and ``weight`` is
-    read here, at call time, as the full ``[V, H]`` tensor. The engines hook their backward on the returned loss,
-    which hands the weight's gradient back to them to reduce and keep only this rank's shard.
-    """
-
-    def __init__(self, head: nn.Linear, targets: torch.Tensor, chunk_size: int, label_smoothing: float):
-        self.head, self.targets, self.chunk_size, self.label_smoothing = head, targets, chunk_size, label_smoothing
-        self.result = None
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[:-1] != self.targets.shape:
-            raise RuntimeError(
-                f"fused loss: hidden states {tuple(hidden.shape)} do not match labels {tuple(self.targets.shape)}"
-            )
-        mask = self.targets != IGNORE_INDEX
-        self.result = fused_linear_cross_entropy_sums(
-            hidden[mask],
-            self.head.weight,
-            self.head.bias,
-            self.targets[mask],
-            chunk_size=self.chunk_size,
-            label_smoothing=self.label_smoothing,
-        )
-        return self.result[0].loss
-
-
-@contextlib.contextmanager
-def swap_output_head(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]):
-    """Run ``forward`` in place of the forward of ``model``'s output projection for the duration of the block."""
-    head = get_base_model(model).get_output_embeddings()
-    own = head.__dict__.get("forward")  # a forward already set on the instance (rare) is put back afterwards
-    head.forward = forward
-    try:
-        yield head
-    finally:
-        if own is None:
-            del head.forward
-        else:
-            head.forward = own
-
-
-def fused_loss_problem(model: nn.Module) -> str | None:
-    """Why ``model``'s loss cannot be fused with its output projection, or None if it can be tried.
-
-    A weight sharded by FSDP2 (a ``DTensor``) or DeepSpeed ZeRO-3 (a partitioned parameter) is fine: the engine
-    gathers it for the head's forward, inside which the fused loss runs (see :class:`_FusedOutputHead`).
-    """
-    base = get_base_model(model)
-    get_head = getattr(base, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if head is None or not callable(getattr(base, "set_output_embeddings", None)):
-        return f"{type(base).__name__} has no get/set_output_embeddings"
-    if _module_class(head) is not nn.Linear:
-        return f"its output projection is a {type(head).__name__} (e.g. adapted by LoRA), not a plain nn.Linear"
-    shape = _gathered_shape(head.weight, base)
-    if shape is None and type(head.weight) is nn.Parameter:
-        shape = tuple(head.weight.shape)
-    if shape is None or len(shape) != 2 or 0 in shape:
-        return "its output projection's weight is not a 2-D parameter that hfacc can gather (e.g. FSDP v1 flattens it)"
-    return None
-
-
-def _module_class(module: nn.Module) -> type:
-    """The module's own class; FSDP2's ``fully_shard`` swaps it for a subclass ``FSDP<Class>``."""
-    cls = type(module)
-    if FSDPModule is not None and isinstance(module, FSDPModule):
-        return cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)]
-    return cls
-
-
-def _gathered_shape(weight: torch.Tensor, model: nn.Module) -> tuple[int, ...] | None:
-    """The full shape of a weight that FSDP2 or ZeRO-3 shards and gathers for each forward, else None."""
-    if hasattr(weight, "ds_shape"):  # DeepSpeed ZeRO-3: the local tensor is empty outside the module's forward
-        return tuple(weight.ds_shape)
-    if DTensor is not None and isinstance(weight, DTensor) and any(isinstance(m, FSDPModule) for m in model.modules()):
-        return tuple(weight.shape)  # FSDP2: a DTensor's shape is the global one
-    return None
-
-
-@torch.no_grad()
-def check_fused_loss(objective: CausalLMObjective, model: nn.Module, batch: Mapping[str, Any]) -> str | None:
-    """Run one micro-batch both ways; None if the fused loss sum matches the plain one, else why not.
-
-    This catches whatever a model does after its output projection (logit soft-capping, scaling) that the fused
-    path would skip: those models fall back to the plain path.
-    """
-    problem = fused_loss_problem(model)
-    if problem is not None:
-        return problem
-    was_training = model.training
-    model.eval()  # dropout would make the two runs differ for reasons that have nothing to do with the fusion
-    try:
-        fused, plain = copy.copy(objective), copy.copy(objective)  # same targets (e.g. virtual tokens), both paths
-        fused.fused, plain.fused = True, False
-        try:
-            outputs, a = fused(model, batch)
-        except Exception as err:  # a model whose forward does something unexpected with the projection's output
-            return f"the fused forward failed ({type(err).__name__}: {err})"
-        _, b = plain(model, batch)
-    finally:
-        model.train(was_training)
-    returned = get_logits(outputs)
-    if returned.shape != a.loss.shape or not torch.equal(returned.to(a.loss.dtype), a.loss):
-        # What came out is not what the projection produced: the model transforms its logits (soft-capping,
-        # scaling), which the fused loss would skip.
-        return "the model post-processes its logits (e.g. soft-capping or scaling)"
-    tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 2e-2
-    difference = (a.loss - b.loss).abs().item() / max(b.loss.abs().item(), 1e-12)
-    if a.count != b.count or not difference <= tolerance:
-        return f"the fused loss differs from the model's own logits by {difference:.1e} (it post-processes its logits)"
-    return None
 
 
 class TokenObjective(Objective):
@@ -441,316 +305,6 @@ class ModelLossObjective(Objective):
         return outputs, LossSums(loss, one, one * 0)
 
 
-class FunctionObjective(Objective):
-    """An objective from two functions, for users who would rather not subclass.
-
-    Args:
-        count_fn: ``batch -> number of targets`` (an int or a 0-d tensor), called before any forward.
-        loss_fn: ``(outputs, batch) -> summed loss over those targets`` (a 0-d tensor).
-        forward_fn: ``(model, batch) -> outputs``; by default the model is called on the batch without its labels.
-
-    >>> objective = FunctionObjective(
-    ...     count_fn=lambda batch: (batch["labels"] != -100).sum(),
-    ...     loss_fn=lambda outputs, batch: torch.nn.functional.cross_entropy(
-    ...         outputs.logits.flatten(0, -2), batch["labels"].flatten(), reduction="sum"),
-    ... )
-    """
-
-    name = "function"
-    has_accuracy = False
-    sums_per_sequence = False
-
-    def __init__(
-        self,
-        count_fn: Callable[[Mapping[str, Any]], Any],
-        loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor],
-        forward_fn: Callable[[nn.Module, Mapping[str, Any]], Any] | None = None,
-    ):
-        super().__init__()
-        self.count_fn, self.loss_fn, self.forward_fn = count_fn, loss_fn, forward_fn
-
-    def count(self, batch):
-        n = torch.as_tensor(self.count_fn(batch)).long().reshape(())
-        return torch.stack([n, (n > 0).long()])
-
-    def __call__(self, model, batch, per_sequence=False):
-        if per_sequence:
-            raise ValueError("FunctionObjective supports normalization 'token' and 'micro_batch', not 'sequence'")
-        outputs = self.forward_fn(model, batch) if self.forward_fn else model(**model_inputs(batch))
-        loss = self.loss_fn(outputs, batch)
-        count = torch.as_tensor(self.count_fn(batch), device=loss.device).long().reshape(())
-        return outputs, LossSums(loss, count, count * 0)
-
-
-class LossFunctionObjective(Objective):
-    """transformers' ``compute_loss_func``, made exact under accumulation.
-
-    ``Trainer(compute_loss_func=f)`` calls ``f(outputs, labels, num_items_in_batch=N)`` and, as transformers
-    documents, ``f`` returns the summed loss over the targets divided by ``N``. Called with ``num_items_in_batch=1``
-    it therefore returns the sum ``S_j`` itself, which hfacc normalizes by the window's global count like any other
-    loss: ``S_j / N_window * P``. The targets are counted by ``counter``, the objective hfacc picks for the model
-    (for a causal LM: labels != -100 after the shift, what transformers counts too).
-
-    A function that ignores ``num_items_in_batch`` (returns a mean) cannot be made exact that way: the first
-    micro-batch with targets is evaluated with ``num_items_in_batch`` 1 and 2, and a function whose result does not
-    halve is refused with an error that shows the exact alternative.
-
-    Args:
-        loss_func: ``(outputs, labels, num_items_in_batch=...) -> loss``, as given to ``transformers.Trainer``.
-        counter: the objective whose ``count`` says what a target is.
-    """
-
-    name = "compute_loss_func"
-    has_accuracy = False
-    sums_per_sequence = False
-
-    def __init__(self, loss_func: Callable[..., torch.Tensor], counter: Objective):
-        super().__init__()
-        self.loss_func, self.counter = loss_func, counter
-        self.checked = False
-
-    def count(self, batch):
-        return self.counter.count(batch)
-
-    def __call__(self, model, batch, per_sequence=False):
-        if per_sequence:
-            raise ValueError("compute_loss_func supports normalization 'token' and 'micro_batch', not 'sequence'")
-        outputs = model(**model_inputs(batch))
-        labels = batch.get("labels")
-        device = labels.device if torch.is_tensor(labels) else None
-        loss = self.loss_func(outputs, labels, num_items_in_batch=torch.tensor(1, device=device))
-        if not self.checked:
-            with torch.no_grad():
-                half = self.loss_func(outputs, labels, num_items_in_batch=torch.tensor(2, device=device))
-            self._check_division(loss.detach().float(), half.detach().float())
-        count = self.counter.count(batch)[0].to(loss.device)
-        return outputs, LossSums(loss, count, count * 0)
-
-    def _check_division(self, one: torch.Tensor, two: torch.Tensor) -> None:
-        if not (torch.isfinite(one) and one.abs() > 0):
-            return  # nothing to learn from a micro-batch without targets: check the next one
-        self.checked = True
-        if not torch.isclose(one, 2 * two, rtol=1e-3, atol=0):
-            raise ValueError(
-                f"compute_loss_func does not divide by num_items_in_batch: it returned {one.item():.6g} with "
-                f"num_items_in_batch=1 and {two.item():.6g} with 2. Its micro-batch means would not add up to the "
-                "big batch's mean. Make it return the loss summed over the targets divided by num_items_in_batch, "
-                "as transformers documents (e.g. transformers.loss.loss_utils.ForCausalLMLoss(outputs['logits'], "
-                "labels, vocab_size, num_items_in_batch)), or drop compute_loss_func and pass the exact equivalent, "
-                "objective=hfacc.FunctionObjective(count_fn=lambda batch: (batch['labels'][..., 1:] != -100).sum(), "
-                "loss_fn=lambda outputs, batch: <the loss summed over those targets>)."
-            )
-
-    def __repr__(self) -> str:
-        return f"LossFunctionObjective(counting like {self.counter!r})"
-
-
-OBJECTIVES = {
-    cls.name: cls
-    for cls in (
-        CausalLMObjective,
-        TokenObjective,
-        SequenceClassificationObjective,
-        MultiLabelObjective,
-        RegressionObjective,
-        ModelLossObjective,
-    )
-}
-
-
-def get_objective(
-    model: nn.Module, batch: Mapping[str, Any], name: str = "auto", label_smoothing: float = 0.0
-) -> Objective:
-    """Pick the objective of ``model`` for batches like ``batch``, or build the one named ``name``.
-
-    ``"auto"`` decides from the model class and the labels: ``*ForCausalLM`` (and decoder-only
-    ``*ForConditionalGeneration``) -> ``causal_lm``; encoder-decoder models, ``*ForTokenClassification`` and
-    ``*ForMaskedLM`` -> ``token``; ``*ForSequenceClassification`` -> by ``config.problem_type`` as transformers
-    decides it (1 label -> ``regression``, integer labels -> ``sequence_classification``, else ``multi_label``).
-    A plain ``nn.Module`` with integer labels of shape ``[B]`` is taken for a classifier. With labels of shape
-    ``[B, T]`` it could be a language model (position i predicts label i + 1) or a tagger (label i belongs to
-    position i): hfacc takes it for a causal LM only when the labels are a copy of ``input_ids`` (where not -100),
-    as language-model data is, and says so at WARNING level; otherwise it refuses to guess and asks for
-    ``objective='causal_lm'`` or ``'token'``. Anything else falls back to ``model_loss``, said once in the log.
-    For PEFT prompt tuning, the causal-LM targets account for the virtual tokens (see
-    :func:`get_num_virtual_tokens`).
-    """
-    objective = _pick_objective(model, batch, name, label_smoothing)
-    if isinstance(objective, CausalLMObjective):
-        objective.num_virtual_tokens = get_num_virtual_tokens(model)
-    return objective
-
-
-def _pick_objective(model: nn.Module, batch: Mapping[str, Any], name: str, label_smoothing: float) -> Objective:
-    base = get_base_model(model)
-    config = getattr(base, "config", None)
-    is_encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
-    if name != "auto":
-        if name not in OBJECTIVES:
-            raise ValueError(f"objective must be 'auto' or one of {sorted(OBJECTIVES)}, got {name!r}")
-        if name == "token":
-            return TokenObjective(label_smoothing, encoder_decoder=is_encoder_decoder)
-        return OBJECTIVES[name](label_smoothing)
-
-    labels = batch.get("labels")
-    if not torch.is_tensor(labels):
-        raise ValueError(
-            "The batch has no 'labels' tensor, so there is nothing to train on. Give each example a 'labels' field "
-            "(-100 where no loss is wanted), e.g. with hfacc.build_sft_dataset, or pass objective=... for a loss "
-            f"that needs no labels. Batch keys: {sorted(batch)}"
-        )
-    class_name = type(base).__name__
-    is_integer = not labels.is_floating_point()
-    if is_encoder_decoder or class_name.endswith(("ForTokenClassification", "ForMaskedLM")):
-        return TokenObjective(label_smoothing, encoder_decoder=is_encoder_decoder)
-    if class_name.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")):
-        return CausalLMObjective(label_smoothing)
-    if class_name.endswith("ForSequenceClassification"):
-        problem_type = getattr(config, "problem_type", None)
-        if problem_type is None:
-            num_labels = getattr(config, "num_labels", 2)
-            if num_labels == 1:
-                problem_type = "regression"
-            elif is_integer:
-                problem_type = "single_label_classification"
-            else:
-                problem_type = "multi_label_classification"
-        return {
-            "regression": RegressionObjective,
-            "single_label_classification": SequenceClassificationObjective,
-            "multi_label_classification": MultiLabelObjective,
-        }[problem_type](label_smoothing)
-    if is_integer and labels.dim() >= 2:
-        if batch.get("shift_labels") is None and not _labels_copy_inputs(labels, batch.get("input_ids")):
-            # A tagger's labels look like a language model's; training one as the other is silently wrong.
-            raise ValueError(
-                f"hfacc cannot tell what the labels of shape {tuple(labels.shape)} of {class_name} (not a transformers "
-                "head) are. Pass objective='causal_lm' if position i predicts label i + 1 (language modelling; "
-                "the labels are then usually a copy of input_ids), or objective='token' if label i belongs to "
-                "position i (token classification, tagging)."
-            )
-        logger.warning(
-            "hfacc: %s is not a transformers head; its labels [batch, length] copy input_ids, so they are taken as "
-            "causal-LM labels (position i predicts label i + 1). Pass objective='causal_lm' to say so, or "
-            "objective='token' if label i belongs to position i.",
-            class_name,
-        )
-        return CausalLMObjective(label_smoothing)
-    if is_integer and labels.dim() == 1:
-        return SequenceClassificationObjective(label_smoothing)
-    logger.warning(
-        "hfacc: cannot tell what the targets of %s are (labels %s of shape %s), so it trains on the model's own loss, "
-        "averaged over micro-batches. That is exact only when every micro-batch has the same number of targets. "
-        "Pass objective=<an hfacc.Objective> (or hfacc.FunctionObjective(count_fn, loss_fn)) to make it exact.",
-        class_name,
-        labels.dtype,
-        tuple(labels.shape),
-    )
-    return ModelLossObjective()
-
-
-def _labels_copy_inputs(labels: torch.Tensor, input_ids: Any) -> bool:
-    """Whether ``labels`` equal ``input_ids`` wherever they are not -100: the mark of language-model labels."""
-    if not torch.is_tensor(input_ids) or input_ids.shape != labels.shape:
-        return False
-    targets = labels != IGNORE_INDEX
-    return bool(targets.any()) and bool((labels[targets] == input_ids[targets]).all())
-
-
-def get_num_virtual_tokens(model: nn.Module) -> int:
-    """Virtual tokens a PEFT prompt-learning model puts before the inputs (0 for any other model).
-
-    Prompt tuning, P-tuning and multitask prompt tuning prepend them to the input embeddings, so the logits have
-    that many more positions than the labels. Prefix tuning passes them as a key/value cache instead: the logits
-    keep the inputs' length and the count is 0.
-    """
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        config = getattr(model, "active_peft_config", None)
-        if config is not None:
-            if not getattr(config, "is_prompt_learning", False):
-                return 0
-            kind = str(getattr(config, "peft_type", ""))
-            if kind.endswith(("PREFIX_TUNING", "CARTRIDGE")):
-                return 0
-            if kind.endswith("CPT"):
-                raise NotImplementedError(
-                    "PEFT CPT trains on its prompt tokens with its own weighting; hfacc cannot count its targets. "
-                    "Pass objective='model_loss' (the model's own loss, averaged over micro-batches)."
-                )
-            return int(config.num_virtual_tokens)
-        if hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-    return 0
-
-
-def compute_micro_batch_loss(
-    objective: Objective,
-    model: nn.Module,
-    batch: Mapping[str, Any],
-    window: WindowCounts,
-    *,
-    normalization: str = "token",
-    world_size: int = 1,
-):
-    """Run one micro-batch and return ``(loss to backpropagate, outputs, sums)``: what training does, in one place.
-
-    The loss is the micro-batch's share of the window loss (:func:`hfacc.loss.normalize_window_loss`), plus, for
-    mixture-of-experts models that return a router ``aux_loss``, ``router_aux_loss_coef * aux_loss / k``: that
-    auxiliary loss is a statistic of each micro-batch's own routing, so it can only be averaged over micro-batches
-    (``hfacc verify`` reports it as a split-dependent term).
-    """
-    outputs, sums = objective(model, batch, per_sequence=normalization == "sequence")
-    loss = normalize_window_loss(sums, window, normalization=normalization, world_size=world_size)
-    aux = get_aux_loss(model, outputs)
-    if aux is not None:
-        loss = loss + aux / max(window.num_micro_batches, 1)
-    return loss, outputs, sums
-
-
-def get_aux_loss(model: nn.Module, outputs: Any) -> torch.Tensor | None:
-    """``router_aux_loss_coef * outputs.aux_loss`` for MoE models that return one, else None."""
-    if not isinstance(outputs, Mapping) or outputs.get("aux_loss") is None:
-        return None
-    coef = getattr(getattr(get_base_model(model), "config", None), "router_aux_loss_coef", 0.0) or 0.0
-    return coef * outputs["aux_loss"] if coef else None
-
-
-def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The entries of ``batch`` that go to the model: everything but the labels."""
-    return {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
-
-
-def get_logits(outputs: Any) -> torch.Tensor:
-    """The logits of a model output: a ``ModelOutput``/dict (``"logits"``), a tuple (first entry) or a tensor."""
-    if torch.is_tensor(outputs):
-        return outputs
-    if isinstance(outputs, Mapping):
-        if "logits" not in outputs:
-            raise ValueError(f"The model output has no 'logits'; it has {list(outputs)}. Return logits to train it.")
-        return outputs["logits"]
-    if isinstance(outputs, (tuple, list)) and outputs and torch.is_tensor(outputs[0]):
-        return outputs[0]
-    raise TypeError(f"Cannot find logits in a model output of type {type(outputs).__name__}")
-
-
-def get_base_model(model: nn.Module) -> nn.Module:
-    """``model`` without its DDP/FSDP/compile and PEFT wrappers: the module whose class says what its head is."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "_orig_mod"):  # torch.compile
-            model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module):  # DDP, DataParallel, DeepSpeed engine
-            model = model.module
-        elif hasattr(model, "get_base_model") and callable(model.get_base_model):  # peft.PeftModel
-            model = model.get_base_model()
-    return model
-
-
 __all__ = [
     "Objective",
     "CausalLMObjective",
@@ -759,9 +313,6 @@ __all__ = [
     "MultiLabelObjective",
     "RegressionObjective",
     "ModelLossObjective",
-    "FunctionObjective",
-    "LossFunctionObjective",
-    "get_objective",
     "get_num_virtual_tokens",
     "count_targets",
 ]

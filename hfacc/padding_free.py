@@ -16,6 +16,7 @@ takes no ``position_ids`` or reads positions differently falls back to the padde
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,8 +24,12 @@ import torch
 from torch import nn
 
 from .batching import best_fit_decreasing, position_ids_problem
+from .distributed import all_ranks_agree
 from .loss import IGNORE_INDEX
-from .objective import CausalLMObjective, Objective, get_base_model, get_logits
+from .model_io import get_base_model, get_logits
+from .objective import CausalLMObjective, Objective
+
+logger = logging.getLogger(__name__)
 
 
 def remove_padding(batch: Mapping[str, Any], one_row: bool = True) -> dict[str, Any] | None:
@@ -201,3 +206,29 @@ def check_padding_free(
             "not kept apart, or positions are read differently)"
         )
     return None
+
+
+def choose_padding_free(
+    objective: Objective, model: nn.Module, batch: Mapping[str, Any], accelerator
+) -> tuple[bool, bool]:
+    """``(padding_free, one_row)``: whether micro-batches go padding-free for this model, decided once, the same on
+    every rank, and said in the log; ``one_row`` for variable-length attention kernels, else packed rows."""
+    padding_free, one_row = False, True
+    problem = padding_free_problem(model, objective)
+    if problem is None:
+        one_row = uses_one_row(model)
+        problem = check_padding_free(model, batch, one_row)
+        padding_free = all_ranks_agree(problem is None, accelerator)
+    if padding_free:
+        logger.info(
+            "hfacc: padding-free micro-batches (%s): checked, logits match the padded run.",
+            "one row" if one_row else "packed in rows as wide as the longest sequence",
+        )
+    elif isinstance(objective, CausalLMObjective):
+        logger.warning(
+            "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
+            problem or "another rank could not go padding-free",
+        )
+    else:
+        logger.info("hfacc: padded micro-batches: %s.", problem)
+    return padding_free, one_row

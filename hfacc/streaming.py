@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 from .batching import pack_examples
-from .data import (
+from .distributed import all_ranks_agree
+from .formats import (
     FORMAT_COLUMNS,
     FORMATS,
-    SOURCE_ROW,
     TRUNCATIONS,
     DataError,
     _is_conversation,
@@ -43,6 +43,7 @@ from .data import (
     encode_row,
 )
 from .loss import IGNORE_INDEX
+from .sources import SOURCE_ROW
 
 logger = logging.getLogger(__name__)
 
@@ -328,79 +329,6 @@ def load_stream_state(batches: StreamBatches, checkpoint: str | Path) -> bool:
     return True
 
 
-def load_stream_source(args, seed: int = 0):
-    """``(train, raw_eval)``: the training rows as a ``datasets.IterableDataset``, and the held-out rows as a
-    ``datasets.Dataset`` (the first ``stream_eval_examples`` rows of ``dataset_eval_split``, or of the stream, which
-    then trains on the rest).
-
-    A local ``.json``/``.jsonl``/``.csv``/``.parquet`` file is streamed from disk, a hub name from the hub, a
-    ``save_to_disk`` directory as an iterable view, ``None`` (the embedded data) from its generator.
-    """
-    import datasets
-
-    from .data import LOCAL_FORMATS
-
-    name = args.dataset_name
-    held_out = None
-    if name is None:
-        from .embedded import generate_instruction_examples
-
-        count = args.num_embedded_examples
-
-        def embedded_rows():
-            yield from generate_instruction_examples(count, seed=seed)
-
-        source = datasets.IterableDataset.from_generator(embedded_rows)
-    else:
-        path = Path(name)
-        if path.suffix in LOCAL_FORMATS:
-            if not path.is_file():
-                raise DataError(f"dataset {name}: no such file.")
-            source = datasets.load_dataset(
-                LOCAL_FORMATS[path.suffix], data_files=str(path), split="train", streaming=True
-            )
-        elif path.is_dir() and (path / "dataset_info.json").exists():
-            source = datasets.load_from_disk(str(path)).to_iterable_dataset()
-        else:
-            source = datasets.load_dataset(name, args.dataset_config, split=args.dataset_train_split, streaming=True)
-            if args.dataset_eval_split:
-                held_out = datasets.load_dataset(
-                    name, args.dataset_config, split=args.dataset_eval_split, streaming=True
-                ).take(args.stream_eval_examples)
-    if source.n_shards == 1:
-        # One shard is split row by row across ranks, so an index taken before the split is the row's place in the
-        # stream: errors name it, as the map-style path names rows.
-        source = source.map(lambda row, i: {SOURCE_ROW: i}, with_indices=True)
-    if held_out is None:
-        held_out, source = source.take(args.stream_eval_examples), source.skip(args.stream_eval_examples)
-    if args.max_examples is not None:
-        source = source.take(args.max_examples)
-    raw_eval = datasets.Dataset.from_list(list(held_out))
-    if len(raw_eval) == 0:
-        raise DataError(f"dataset {name or '(embedded)'}: the stream is empty; nothing to hold out or train on.")
-    return source, raw_eval
-
-
-def build_stream_datasets(args, tokenizer, seed: int = 0):
-    """:func:`hfacc.data.build_datasets` for ``streaming=True``: ``(SFTStream, eval Dataset, raw eval rows)``."""
-    from .data import build_sft_dataset
-
-    raw_train, raw_eval = load_stream_source(args, seed=seed)
-    options = args.sft_options()
-    num_proc = options.pop("num_proc")
-    train = build_sft_stream(raw_train, tokenizer, buffer_size=args.stream_buffer_size, **options)
-    train.split_by_rows = True  # the held-out rows were skip()ped (and max_examples take()n): see SFTStream
-    if args.packing:
-        train.pack_length = args.max_length
-    logger.info(
-        "hfacc: streaming %s (%d shard(s)): rows are tokenized as training reads them; %d rows held out.",
-        args.dataset_name or "the embedded data",
-        raw_train.n_shards,
-        len(raw_eval),
-    )
-    return train, build_sft_dataset(raw_eval, tokenizer, num_proc=num_proc, **options), raw_eval
-
-
 def check_stream_training(args) -> None:
     """A stream has no length: training needs ``max_steps`` (the Trainer would stop with a less helpful error)."""
     if args is not None and args.max_steps <= 0:
@@ -423,3 +351,54 @@ def take_stream_position(batches: list[dict[str, Any]]) -> dict[str, Any] | None
 def identity(batch):
     """The data loader's collate function: :class:`StreamBatches` yields collated micro-batches already."""
     return batch
+
+
+def build_stream_loader(stream: SFTStream, collator, args, resume: str | None) -> tuple[Any, StreamBatches]:
+    """``(loader, batches)``: this rank's micro-batches of ``stream``, sharded here, not by accelerate.
+
+    Not for ``accelerator.prepare``: for an iterable dataset it would either dispatch (rank 0 reads for every rank)
+    or shard it again; the Trainer puts each batch on the device itself (``_prepare_inputs``). ``resume``: a
+    checkpoint whose saved position the stream continues from.
+    """
+    batches = StreamBatches(
+        stream,
+        collator,
+        batch_size=args.per_device_train_batch_size,
+        max_tokens=args.max_tokens_per_batch,
+        seed=args.data_seed if args.data_seed is not None else args.seed,
+        rank=args.process_index,
+        world_size=args.world_size,
+    )
+    if resume is not None and not load_stream_state(batches, resume):
+        raise DataError(
+            f"{resume} holds no stream position for rank {batches.rank}: it was not saved by a streaming run of "
+            "hfacc. Resume it without --streaming, or start afresh."
+        )
+    if args.dataloader_num_workers:
+        # Each worker would hold a copy of the stream and read all of it: every example several times.
+        logger.warning(
+            "hfacc: a stream is read in the training process; dataloader_num_workers=%d is not used for it.",
+            args.dataloader_num_workers,
+        )
+    return torch.utils.data.DataLoader(batches, batch_size=None, collate_fn=identity), batches
+
+
+def read_stream_window(epoch_iterator: Iterator, num_batches: int, accelerator) -> list:
+    """The window's micro-batches of a stream; a bad row stops every rank, each with one message.
+
+    A bad row is found by the one rank that reads it. Raising there alone would leave the others waiting in the
+    window's count all-reduce until they time out or die with a traceback, so the ranks first agree (one tiny
+    collective per window, only for streams on several ranks).
+    """
+    from itertools import islice
+
+    error, batch_samples = None, []
+    try:
+        batch_samples = list(islice(epoch_iterator, num_batches))
+    except DataError as err:
+        error = err
+    if not all_ranks_agree(error is None, accelerator):
+        raise error or DataError(
+            "another process stopped on a bad row of the stream (its message names the row); stopping too."
+        )
+    return batch_samples

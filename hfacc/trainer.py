@@ -2,193 +2,65 @@
 
 How it differs from the stock Trainer, hook by hook:
 
-- ``get_batch_samples`` (runs once per optimizer step, on the micro-batches of the window): counts the window's
-  targets with the objective and sums the count over all ranks in one collective. Stock Trainer counts only when
-  the model's forward takes ``**kwargs`` and only sums over ranks when ``average_tokens_across_devices``.
-- ``compute_loss``: runs the model *without* labels and computes the loss from the logits itself, as
-  ``S_j / N_window * P`` (see :func:`hfacc.loss.normalize_window_loss`). Stock Trainer relies on the model to
+- ``get_batch_samples`` (once per optimizer step) opens the step's :class:`~hfacc.window.Window`: its targets
+  counted with the objective and summed over all ranks in one collective. Stock Trainer counts only when the
+  model's forward takes ``**kwargs`` and only sums over ranks when ``average_tokens_across_devices``.
+- ``compute_loss`` takes the window's next micro-batch, runs the model *without* labels and computes the loss
+  itself, ``S_j / N_window * P`` (:func:`hfacc.loss.normalize_window_loss`). Stock Trainer relies on the model to
   consume ``num_items_in_batch``; custom models, heads that ignore it and ``**kwargs`` that drop it all go wrong.
-- ``log`` / ``evaluation_loop``: replace the logged mean of micro-batch means with the token-weighted mean over
-  windows and ranks, and add token accuracy, target counts and target tokens per second.
-- A private callback checks every window before the optimizer step: a window without targets, or with a
-  non-finite loss or gradient, leaves the parameters untouched.
+- Before the optimizer step, the :class:`~hfacc.step_gate.StepGate` audits the window, drops it (no target, or a
+  non-finite loss or gradient: the parameters stay untouched) or commits its sums to the metrics.
+- ``log`` / ``evaluation_loop`` report the token-weighted mean over windows and ranks (:mod:`hfacc.meter`) instead
+  of the mean of micro-batch means, with token accuracy, target counts and target tokens per second.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any
 
 import datasets
 import torch
-from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch.utils.data import DataLoader
-from transformers import Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers import Trainer
 
-from .batching import TokenBudgetBatchSampler, check_packing, is_packed
-from .checkpoint import mark_checkpoint_complete, resolve_checkpoint, rotate_checkpoints
-from .data import DataError
-from .loss import IGNORE_INDEX, NORMALIZATIONS, LossSums, WindowCounts, sums_per_row
+from .arguments import TokenWeightedArguments, as_token_weighted_arguments, validate_settings
+from .audit import AccumulationAuditCallback
+from .batching import build_token_budget_loader, is_packed, require_packing_support
+from .checkpoint import complete_checkpoint, resolve_checkpoint
+from .collator import warn_about_padding_labels
+from .distributed import (
+    check_data_parallel,
+    get_gradient_scale,
+    mark_for_deepspeed_skip,
+    trim_repeated_examples,
+    undo_evaluation_preparation,
+)
+from .function_objective import LossFunctionObjective
+from .loss import LossSums
+from .loss_path import choose_loss_path
+from .meter import LossMeter
 from .objective import (
-    OBJECTIVES,
     CausalLMObjective,
-    LossFunctionObjective,
     ModelLossObjective,
     Objective,
-    check_fused_loss,
-    compute_micro_batch_loss,
-    get_objective,
 )
-from .padding_free import check_padding_free, padding_free_problem, remove_padding, uses_one_row
+from .objective_choice import get_objective
+from .padding_free import choose_padding_free, remove_padding
+from .step_gate import NonFiniteLossError, StepGate
 from .streaming import (
     SFTStream,
-    StreamBatches,
+    build_stream_loader,
     check_stream_training,
-    identity,
-    load_stream_state,
+    read_stream_window,
     save_stream_state,
     take_stream_position,
 )
+from .window import Window, compute_micro_batch_loss, count_window
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenWeightedArguments(TrainingArguments):
-    """``TrainingArguments`` plus hfacc's settings. A plain ``TrainingArguments`` gets these defaults."""
-
-    normalization: str = field(
-        default="token",
-        metadata={
-            "help": "How the window's loss is normalized: 'token' (every target token weighs the same; the big-batch "
-            "mean), 'sequence' (every sequence weighs the same), or 'micro_batch' (legacy mean of micro-batch means).",
-            "choices": list(NORMALIZATIONS),
-        },
-    )
-    objective: str = field(
-        default="auto",
-        metadata={
-            "help": "What a target is: 'auto' (from the model head and labels) or one of "
-            + ", ".join(sorted(OBJECTIVES))
-            + "."
-        },
-    )
-    fused_loss: bool = field(
-        default=True,
-        metadata={
-            "help": "Causal LMs: compute the output projection and cross-entropy together in chunks over the "
-            "target positions only, so the full logits never exist (less memory, faster; exact). Models that "
-            "post-process their logits fall back to the plain path by themselves."
-        },
-    )
-    padding_free: bool = field(
-        default=True,
-        metadata={
-            "help": "Causal LMs: lay the real tokens of every micro-batch end to end in one row with position_ids "
-            "that restart per sequence, so no layer computes on padding, whatever collator padded it (right or "
-            "left). Same sequences, targets and normalization: exact. Checked once per model; models whose "
-            "attention cannot keep packed sequences apart fall back to padded batches (said once). False: off."
-        },
-    )
-    loss_chunk_size: int = field(
-        default=0, metadata={"help": "Target tokens per chunk of the fused loss (0: about 64 MiB of fp32 logits)."}
-    )
-    max_tokens_per_batch: int = field(
-        default=0,
-        metadata={
-            "help": "Build training micro-batches to this many padded tokens (rows x longest row) instead of a "
-            "fixed per_device_train_batch_size: sequences of similar length go together, so padding is small "
-            "and memory bounded. Exact: the window is normalized by its target count. 0: off."
-        },
-    )
-    length_group_size: int = field(
-        default=0,
-        metadata={
-            "help": "With max_tokens_per_batch: sort by length within random groups of this many examples, "
-            "drawn anew every epoch (more variety per micro-batch, a little more padding). 0: sort all."
-        },
-    )
-    skip_nonfinite_steps: bool = field(
-        default=True,
-        metadata={
-            "help": "Skip the optimizer step of a window whose loss or gradient is NaN/inf (the weights are never "
-            "updated with it) and log which micro-batch caused it. False lets the step through."
-        },
-    )
-    max_skipped_steps: int = field(
-        default=10,
-        metadata={"help": "Stop with an error after this many skipped non-finite steps (0: never stop)."},
-    )
-    audit_every_n_steps: int = field(
-        default=0,
-        metadata={
-            "help": "Every N optimizer steps, recompute the window's gradient example by example and log the "
-            "relative error as accumulation_audit_error (0: off). Costs about one extra window per audit."
-        },
-    )
-    audit_tolerance: float = field(
-        default=0.0,
-        metadata={
-            "help": "Audit error above which a warning is printed. 0: from the training precision, "
-            "max(1e-4, 4 x machine epsilon): 1e-4 in fp32, 3.1e-2 in bf16, 3.9e-3 in fp16."
-        },
-    )
-
-    def __post_init__(self):
-        if not self.use_cpu and not torch.accelerator.is_available():
-            # Accelerate forms a CPU process group (gloo) only when told it runs on the CPU; otherwise each process
-            # of `accelerate launch --multi_gpu --num_processes 2` on a GPU-less machine trains alone, silently.
-            self.use_cpu = True
-        super().__post_init__()
-        validate_settings(self)
-
-
-def validate_settings(args: Any) -> None:
-    """Check hfacc's settings on any arguments object; raise ``ValueError`` naming the field and the fix."""
-    normalization = getattr(args, "normalization", "token")
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization={normalization!r} is not supported; use one of {list(NORMALIZATIONS)}.")
-    objective = getattr(args, "objective", "auto")
-    if objective != "auto" and objective not in OBJECTIVES:
-        raise ValueError(f"objective={objective!r} is not supported; use 'auto' or one of {sorted(OBJECTIVES)}.")
-    if getattr(args, "max_tokens_per_batch", 0) < 0:
-        raise ValueError("max_tokens_per_batch must be >= 0 (0 keeps per_device_train_batch_size batches).")
-    if getattr(args, "loss_chunk_size", 0) < 0:
-        raise ValueError("loss_chunk_size must be >= 0 (0 picks a size from the vocabulary).")
-    if getattr(args, "audit_every_n_steps", 0) < 0:
-        raise ValueError("audit_every_n_steps must be >= 0 (0 turns the audit off).")
-    if getattr(args, "audit_tolerance", 0.0) < 0:
-        raise ValueError("audit_tolerance must be >= 0 (0 derives it from the training precision).")
-    if getattr(args, "max_skipped_steps", 0) < 0:
-        raise ValueError("max_skipped_steps must be >= 0 (0 never stops training).")
-    if args.gradient_accumulation_steps < 1:
-        raise ValueError(
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps}: it must be >= 1 (1 = no accumulation)."
-        )
-    if args.per_device_train_batch_size < 1:
-        raise ValueError(f"per_device_train_batch_size={args.per_device_train_batch_size}: it must be >= 1.")
-
-
-def get_gradient_scale(distributed_type: DistributedType, num_processes: int) -> int:
-    """The factor P that cancels the data-parallel backend's gradient averaging.
-
-    DDP (any ``MULTI_*`` type), FSDP (v1 and v2) and DeepSpeed all *average* gradients over the P ranks. Each rank
-    backpropagates ``S_rank / N_global * P``, so the average is ``sum over ranks of S_rank / N_global``: the global
-    token mean. DeepSpeed must additionally not divide by the accumulation steps itself: transformers' Trainer
-    passes ``scale_wrt_gas=False`` to its backward. One process (or ``torch.nn.DataParallel``, which gathers the
-    outputs before the loss) needs no factor.
-    """
-    if distributed_type == DistributedType.MEGATRON_LM:
-        raise NotImplementedError("hfacc does not support Megatron-LM, which computes the loss inside its pipeline.")
-    if distributed_type == DistributedType.NO:
-        return 1
-    return num_processes
 
 
 class TokenWeightedTrainer(Trainer):
@@ -203,8 +75,8 @@ class TokenWeightedTrainer(Trainer):
     Args:
         objective: an :class:`hfacc.Objective` or its name; overrides ``args.objective``. Needed only for losses
             hfacc cannot infer from the model head.
-        *args, **kwargs: as for ``transformers.Trainer``. ``args`` may be a plain ``TrainingArguments`` or a
-            :class:`TokenWeightedArguments`.
+        model, args, *rest, **kwargs: as for ``transformers.Trainer``. ``args`` may be a plain
+            ``TrainingArguments``: it is converted once to :class:`TokenWeightedArguments` (hfacc's defaults added).
 
     >>> trainer = TokenWeightedTrainer(model=model, args=TokenWeightedArguments(  # doctest: +SKIP
     ...     output_dir="out", per_device_train_batch_size=2, gradient_accumulation_steps=4),
@@ -215,76 +87,50 @@ class TokenWeightedTrainer(Trainer):
     # `compute_loss` already divides by the whole window's target count: the Trainer must not divide by k again.
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args, objective: Objective | str | None = None, **kwargs):
-        # Before the stock __init__, whose own error for a dataset without length does not say what to set.
-        if isinstance(kwargs.get("train_dataset", args[3] if len(args) > 3 else None), SFTStream):
-            check_stream_training(kwargs.get("args", args[1] if len(args) > 1 else None))
-        super().__init__(*args, **kwargs)
-        validate_settings(self.args)
-        self.normalization = getattr(self.args, "normalization", "token")
-        self.skip_nonfinite_steps = getattr(self.args, "skip_nonfinite_steps", True)
-        self.max_skipped_steps = getattr(self.args, "max_skipped_steps", 10)
-        self._objective_setting = objective if objective is not None else getattr(self.args, "objective", "auto")
+    args: TokenWeightedArguments
+
+    def __init__(self, model=None, args=None, *rest, objective: Objective | str | None = None, **kwargs):
+        args = as_token_weighted_arguments(args)
+        if isinstance(kwargs.get("train_dataset", rest[1] if len(rest) > 1 else None), SFTStream):
+            check_stream_training(args)  # before the stock __init__, whose error does not say what to set
+        super().__init__(model, args, *rest, **kwargs)
+        validate_settings(self.args)  # again: the arguments may have been changed since they were made
+        self._objective_setting = objective if objective is not None else self.args.objective
         self.objective: Objective | None = self._objective_setting if isinstance(objective, Objective) else None
         if self.compute_loss_func is not None and self.objective is not None:
             raise ValueError(
                 "Pass either compute_loss_func or an hfacc Objective, not both: each of them defines the loss. "
                 "(objective='<name>' only says how targets are counted and combines with compute_loss_func.)"
             )
-        pc = getattr(self.accelerator, "parallelism_config", None)
-        if pc is not None and any(getattr(pc, f"{kind}_enabled", False) for kind in ("tp", "cp", "sp")):
-            raise NotImplementedError(
-                "hfacc counts targets per data-parallel rank; tensor, context and sequence parallelism are not "
-                "supported yet. Remove parallelism_config or use the stock Trainer."
-            )
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if launched != self.accelerator.num_processes:
-            raise RuntimeError(
-                f"{launched} processes were launched (WORLD_SIZE) but this one trains alone (world size "
-                f"{self.accelerator.num_processes}), so every process would train its own copy. On a machine without "
-                "GPUs pass use_cpu=True (TokenWeightedArguments does this by itself) so the processes join over gloo."
-            )
-        if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not self.is_fsdp_enabled:
-            # accelerate enables FSDP only for GPU-like distributed types (state.py); CPU processes get DDP silently.
-            logger.warning(
-                "hfacc: the accelerate config asks for FSDP, but accelerate shards only on GPUs (and XPU/NPU/...): "
-                "these %d CPU processes train as plain data parallel (DDP), each holding the whole model. The update "
-                "is the same; the memory saving is not there.",
-                self.accelerator.num_processes,
-            )
-        self._stream_batches: StreamBatches | None = None
-        self._stream_position: dict | None = None  # after the last micro-batch trained on
-        self._stream_resume: str | None = None
+        check_data_parallel(self.accelerator, self.is_fsdp_enabled)
         # A plain nn.Module without a `labels` argument would have its labels column removed by the Trainer.
         if not self.label_names:
             self.label_names = ["labels"]
-        self.window: WindowCounts | None = None
-        self.window_batches: list = []
-        self._repeated_batches: set[int] = set()  # micro-batches of the window that only repeat examples
+        self.window: Window | None = None  # the window of the optimizer step under way (hfacc/window.py)
         self._repeats_said = False
         self._eval_needs_logits = True  # evaluation_loop says when predictions are thrown away
         self._packing_checked = False
         self.padding_free = False  # decided with the objective, on the first micro-batch
         self.padding_free_one_row = True  # one row for variable-length attention kernels, else rows
-        self._window_left = 0
-        self._deepspeed_skips_steps = True  # whether DeepSpeed's overflow check is on (known at train start)
         self.meter = LossMeter(self.args.device)
-        if getattr(self.args, "audit_every_n_steps", 0):
-            from .verify import AccumulationAuditCallback
-
-            # Before the guard: the audit must see the window's gradient before a skip could drop it.
-            tolerance = getattr(self.args, "audit_tolerance", 0.0) or None
+        self._stream_batches = self._stream_position = self._stream_resume = None  # a stream's reader, place, resume
+        if self.args.audit_every_n_steps:  # the step gate runs it first, before a skip could drop the gradient
+            tolerance = self.args.audit_tolerance or None
             self.add_callback(
                 AccumulationAuditCallback(self, every_n_steps=self.args.audit_every_n_steps, tolerance=tolerance)
             )
-        self.add_callback(_WindowGuard(self))
+        self.step_gate = StepGate(self)  # audit -> no target -> not finite -> commit, before every optimizer step
+        self.add_callback(self.step_gate)
 
     # ---- data: micro-batches to a token budget ----------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
         """Stock dataloader, or micro-batches built to ``max_tokens_per_batch`` padded tokens when it is set."""
-        budget = getattr(self.args, "max_tokens_per_batch", 0)
+        budget = self.args.max_tokens_per_batch
         if isinstance(self.train_dataset, SFTStream):
-            return self._get_stream_dataloader(budget)
+            loader, self._stream_batches = build_stream_loader(
+                self.train_dataset, self.data_collator, self.args, self._stream_resume
+            )
+            return loader
         if not budget:
             return super().get_train_dataloader()
         dataset, collator = self.train_dataset, self.data_collator
@@ -294,149 +140,41 @@ class TokenWeightedTrainer(Trainer):
             collator = self._get_collator_with_removed_columns(collator, description="training")
         if not hasattr(dataset, "__getitem__") or "input_ids" not in dataset[0]:
             raise ValueError("max_tokens_per_batch needs a map-style dataset whose examples have 'input_ids'.")
-        lengths = dataset["input_ids"] if isinstance(dataset, datasets.Dataset) else [e["input_ids"] for e in dataset]
-        sampler = TokenBudgetBatchSampler(
-            [len(x) for x in lengths],
-            budget,
-            shuffle=self.args.train_sampling_strategy != "sequential",
-            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
-            group_size=getattr(self.args, "length_group_size", 0),
-        )
-        logger.info(
-            "hfacc: %d micro-batches of <= %d padded tokens per epoch (%.1f %% padding).",
-            len(sampler),
-            budget,
-            100 * sampler.padding_fraction,
-        )
-        loader = DataLoader(
-            dataset,
-            batch_sampler=sampler,
-            collate_fn=collator,
-            num_workers=self.args.dataloader_num_workers,
-            pin_memory=self.args.dataloader_pin_memory,
-            persistent_workers=self.args.dataloader_persistent_workers and self.args.dataloader_num_workers > 0,
-        )
+        loader = build_token_budget_loader(dataset, collator, self.args)
         return self.accelerator.prepare(loader)
-
-    def _get_stream_dataloader(self, budget: int) -> DataLoader:
-        """This rank's micro-batches of a stream, sharded by hfacc.streaming, not by accelerate.
-
-        Not passed to ``accelerator.prepare``: for an iterable dataset it would either dispatch (rank 0 reads for
-        every rank) or shard it again; the Trainer puts each batch on the device itself (``_prepare_inputs``).
-        """
-        batches = StreamBatches(
-            self.train_dataset,
-            self.data_collator,
-            batch_size=self.args.per_device_train_batch_size,
-            max_tokens=budget,
-            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
-            rank=self.args.process_index,
-            world_size=self.args.world_size,
-        )
-        if self._stream_resume is not None and not load_stream_state(batches, self._stream_resume):
-            raise DataError(
-                f"{self._stream_resume} holds no stream position for rank {batches.rank}: it was not saved by a "
-                "streaming run of hfacc. Resume it without --streaming, or start afresh."
-            )
-        self._stream_batches = batches
-        if self.args.dataloader_num_workers:
-            # Each worker would hold a copy of the stream and read all of it: every example several times.
-            logger.warning(
-                "hfacc: a stream is read in the training process; dataloader_num_workers=%d is not used for it.",
-                self.args.dataloader_num_workers,
-            )
-        return DataLoader(batches, batch_size=None, collate_fn=identity)
 
     # ---- counting: once per window --------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
-        """Collect the window's micro-batches and count their targets over all ranks (one collective)."""
-        if self._stream_batches is not None:
-            batch_samples = self._read_stream_window(epoch_iterator, num_batches)
+        """Draw the window's micro-batches and open its :class:`~hfacc.window.Window` (one collective)."""
+        if self._stream_batches is not None:  # a bad row stops every rank; the window ends at a stream position
+            batch_samples = read_stream_window(epoch_iterator, num_batches, self.accelerator)
+            self._stream_position = take_stream_position(batch_samples) or self._stream_position
         else:
             batch_samples = list(islice(epoch_iterator, num_batches))
-        self._repeated_batches = self._drop_repeated_examples(batch_samples)
-        # The Trainer holds these for the whole window anyway; the audit recomputes the window from them.
-        self.window_batches = [b for j, b in enumerate(batch_samples) if j not in self._repeated_batches]
+        repeated, cut = trim_repeated_examples(self.accelerator, batch_samples, warn=not self._repeats_said)
+        self._repeats_said |= cut > 0
         if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
-            self._check_packing(batch_samples[0])
-        if self.window is None:  # the first window
-            warn_about_padding_labels(self.window_batches)
-        self.window = self.count_window(self.window_batches, device)
-        self._window_left = len(batch_samples)
-        self.meter.start_window()
+            self._packing_checked = True
+            require_packing_support(self.model, self._prepare_inputs(batch_samples[0]))
+        first = self.window is None
+        self.window = self.open_window(batch_samples, device, repeated, warn=first)
         return batch_samples, self.window.num_targets
 
-    def _read_stream_window(self, epoch_iterator: Iterator, num_batches: int) -> list:
-        """The window's micro-batches of a stream; a bad row stops every rank, each with one message.
-
-        A bad row is found by the one rank that reads it. Raising there alone would leave the others waiting in the
-        window's count all-reduce until they time out or die with a traceback, so the ranks first agree (one tiny
-        collective per window, only for streams on several ranks).
-        """
-        error = None
-        try:
-            batch_samples = list(islice(epoch_iterator, num_batches))
-        except DataError as err:
-            error, batch_samples = err, []
-        if not all_ranks_agree(error is None, self.accelerator):
-            raise error or DataError(
-                "another process stopped on a bad row of the stream (its message names the row); stopping too."
-            )
-        self._stream_position = take_stream_position(batch_samples) or self._stream_position  # after this window
-        return batch_samples
-
-    def _drop_repeated_examples(self, batch_samples: list) -> set[int]:
-        """Keep the examples accelerate repeats at the end of an epoch out of the window; return all-repeat batches.
-
-        With several ranks, accelerate (``even_batches``) fills the last batch of every rank with examples from the
-        start of the epoch, so that all ranks take the same number of steps. Stock Trainer trains those examples a
-        second time, and counts them. Here the last micro-batch is cut to its real rows; a micro-batch that holds
-        only repeats still runs (every rank must take part in the gradient all-reduce) but contributes nothing.
-        """
-        if not batch_samples:
-            return set()
-        last = batch_samples[-1]
-        rows = _num_rows(last)
-        real = count_real_rows(self.accelerator, rows)
-        if real >= rows:
-            return set()
-        if not self._repeats_said:
-            self._repeats_said = True
-            logger.warning(
-                "hfacc: the last batch of the epoch on rank %d holds %d example(s) that accelerate repeats so that "
-                "every rank gets a full batch (even_batches); hfacc neither counts nor trains them, so the last step "
-                "is the exact mean over the real examples (stock Trainer trains them twice).",
-                self.accelerator.process_index,
-                rows - real,
-            )
-        batch_samples[-1] = take_rows(last, max(real, 1))
-        return {len(batch_samples) - 1} if real == 0 else set()
+    def open_window(
+        self, batch_samples: list, device: torch.device, repeated: set[int] = frozenset(), warn: bool = False
+    ) -> Window:
+        """The window of ``batch_samples``: its targets counted over all ranks, ready for ``compute_loss``."""
+        # The Trainer holds these for the whole window anyway; the audit recomputes the window from them.
+        batches = [b for j, b in enumerate(batch_samples) if j not in repeated]
+        if warn:  # the first window
+            warn_about_padding_labels(batches)
+        counts = count_window(lambda b: self.get_objective(b).count(b), batches, self.accelerator, device)
+        return Window(batches, counts, len(batch_samples), self.meter.zeros(), frozenset(repeated))
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # Replaces the stock count (and its cross-rank gather) wherever the Trainer asks for it, e.g. in
         # `prediction_step`: hfacc computes its own counts and never hands `num_items_in_batch` to the model.
         return None
-
-    def _check_packing(self, batch) -> None:
-        self._packing_checked = True
-        problem = check_packing(self.model, self._prepare_inputs(batch))
-        if problem:
-            raise RuntimeError(
-                f"hfacc: {problem}. Turn packing off (recipe: --packing false), or use a model and attention "
-                "implementation that keep packed sequences apart (attn_implementation='sdpa' or "
-                "'flash_attention_2' on a model whose forward takes position_ids)."
-            )
-        logger.info("hfacc: packed rows checked: each sequence's logits match its unpacked run.")
-
-    def count_window(self, batch_samples: list[Mapping[str, Any]], device: torch.device) -> WindowCounts:
-        """:class:`WindowCounts` of ``batch_samples`` summed over all data-parallel ranks."""
-        counts = torch.zeros(2, dtype=torch.long, device=device)
-        for batch in batch_samples:
-            counts += self.get_objective(batch).count(batch).to(device)
-        if self.accelerator.num_processes > 1:
-            counts = self.accelerator.reduce(counts, reduction="sum")
-        num_targets, num_sequences = counts.tolist()
-        return WindowCounts(num_targets, num_sequences, len(batch_samples))
 
     def get_objective(self, batch: Mapping[str, Any]) -> Objective:
         """The objective, resolved from the model and the first batch it sees."""
@@ -448,35 +186,28 @@ class TokenWeightedTrainer(Trainer):
                 # The user's loss, with hfacc's count of the targets: exact if it divides by num_items_in_batch.
                 # Padded micro-batches: the user's function shifts the labels itself, across any packed boundary.
                 self.objective = LossFunctionObjective(self.compute_loss_func, counter=self.objective)
-            else:
-                self._setup_padding_free(self.objective, batch)
+            elif self.args.padding_free:
+                self.padding_free, self.padding_free_one_row = choose_padding_free(
+                    self.objective, self.model, self._prepare_inputs(batch), self.accelerator
+                )
             if isinstance(self.objective, CausalLMObjective):
-                self._setup_fused_loss(self.objective, batch)
-            logger.info("hfacc: objective %s, normalization %r", self.objective, self.normalization)
-            if isinstance(self.objective, ModelLossObjective) and self.normalization != "micro_batch":
+                problem = choose_loss_path(
+                    self.objective,
+                    self.model,
+                    self._prepare_inputs(batch),
+                    self.accelerator,
+                    fused_loss=self.args.fused_loss,
+                    normalization=self.args.normalization,
+                    chunk_size=self.args.loss_chunk_size,
+                )
+                if self.objective.fused:
+                    logger.info("hfacc: fused chunked cross-entropy: the full logits are never materialized.")
+                elif self.args.fused_loss:
+                    logger.warning("hfacc: plain loss path (full logits): %s.", problem)
+            logger.info("hfacc: objective %s, normalization %r", self.objective, self.args.normalization)
+            if isinstance(self.objective, ModelLossObjective) and self.args.normalization != "micro_batch":
                 logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
         return self.objective
-
-    def _setup_padding_free(self, objective: Objective, batch: Mapping[str, Any]) -> None:
-        if not getattr(self.args, "padding_free", True):
-            return
-        problem = padding_free_problem(self.model, objective)
-        if problem is None:
-            self.padding_free_one_row = uses_one_row(self.model)
-            problem = check_padding_free(self.model, self._prepare_inputs(batch), self.padding_free_one_row)
-            self.padding_free = all_ranks_agree(problem is None, self.accelerator)
-        if self.padding_free:
-            logger.info(
-                "hfacc: padding-free micro-batches (%s): checked, logits match the padded run.",
-                "one row" if self.padding_free_one_row else "packed in rows as wide as the longest sequence",
-            )
-        elif isinstance(objective, CausalLMObjective):
-            logger.warning(
-                "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
-                problem or "another rank could not go padding-free",
-            )
-        else:
-            logger.info("hfacc: padded micro-batches: %s.", problem)
 
     def _set_signature_columns_if_needed(self) -> None:
         # hfacc reads sequence boundaries from these even when the model's forward does not take them (Bloom): a
@@ -484,24 +215,6 @@ class TokenWeightedTrainer(Trainer):
         # other. The packing check then refuses such a model.
         super()._set_signature_columns_if_needed()
         self._signature_columns += [c for c in ("position_ids", "seq_lengths") if c not in self._signature_columns]
-
-    def _setup_fused_loss(self, objective: CausalLMObjective, batch: Mapping[str, Any]) -> None:
-        objective.chunk_size = getattr(self.args, "loss_chunk_size", 0)
-        if not getattr(self.args, "fused_loss", True):
-            return
-        if self.normalization == "sequence":
-            problem = "normalization='sequence' weighs targets unequally"
-        elif self.is_fsdp_enabled and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version", 1) != 2:
-            problem = "FSDP v1 flattens the parameters (FSDP2, fsdp_version: 2, keeps the output projection whole)"
-        else:
-            # DDP, DeepSpeed ZeRO-1/2 (whole parameters), FSDP2 and ZeRO-3: the engine gathers a sharded output
-            # projection for the head's forward, inside which the fused loss runs (objective._FusedOutputHead).
-            problem = check_fused_loss(objective, self.model, self._prepare_inputs(batch))
-        objective.fused = all_ranks_agree(problem is None, self.accelerator)
-        if objective.fused:
-            logger.info("hfacc: fused chunked cross-entropy: the full logits are never materialized.")
-        else:
-            logger.warning("hfacc: plain loss path (full logits): %s.", problem or "another rank could not fuse")
 
     # ---- the loss: once per micro-batch ---------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -518,18 +231,23 @@ class TokenWeightedTrainer(Trainer):
         if self.padding_free and (model.training or objective.fused_in_eval):  # eval: unless logits are wanted
             inputs = remove_padding(inputs, self.padding_free_one_row) or inputs
         if model.training:
-            window, repeated = self._take_window_slot(inputs)
+            if self.window is None or self.window.left <= 0:
+                # compute_loss called outside the Trainer's loop (e.g. a user's own `training_step` call): the
+                # micro-batch is a window of its own.
+                self.window = self.open_window([inputs], self.args.device)
+            window = self.window
+            repeated = window.take()
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
             loss, outputs, sums = compute_micro_batch_loss(
-                objective, model, inputs, window, normalization=self.normalization, world_size=world
+                objective, model, inputs, window.counts, normalization=self.args.normalization, world_size=world
             )
             if repeated:  # only examples accelerate repeated: run for the all-reduce, contribute nothing
                 loss, sums = loss * 0, LossSums(*(torch.zeros_like(t) for t in sums))
-            self.meter.add_micro_batch(sums)
-            if self.is_deepspeed_enabled and self._deepspeed_skips_steps:
-                loss = mark_for_deepspeed_skip(loss, self.skip_nonfinite_steps, skip=window.num_targets == 0)
+            window.stage(sums)
+            if self.is_deepspeed_enabled and self.step_gate.deepspeed_skips_steps:
+                loss = mark_for_deepspeed_skip(loss, self.args.skip_nonfinite_steps, skip=window.num_targets == 0)
         else:
-            outputs, sums = self._evaluation_sums(objective, model, inputs, packed)
+            outputs, sums = self.meter.add_evaluation_batch(objective, model, inputs, packed, self.accelerator)
             loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
         if not return_outputs:
             return loss
@@ -539,36 +257,6 @@ class TokenWeightedTrainer(Trainer):
             elif isinstance(outputs, (tuple, list)):
                 outputs = (loss, *outputs)
         return loss, outputs
-
-    def _evaluation_sums(self, objective: Objective, model, inputs, packed: bool) -> tuple[Any, LossSums]:
-        """Run one evaluation batch; add its sums, without the examples accelerate repeated, to the meter."""
-        if objective.sums_per_sequence:
-            outputs, sums = objective(model, inputs, per_sequence=True)
-            if packed:
-                # One value per row, as gather_for_metrics expects: it drops the rows repeated across ranks.
-                sums = sums_per_row(sums, inputs["position_ids"])
-            self.meter.add_eval(sums, self.accelerator)  # gather_for_metrics drops the repeated rows
-            return outputs, sums
-        outputs, sums = objective(model, inputs)
-        rows = _num_rows(inputs)
-        real = count_real_rows(self.accelerator, rows)
-        counted = sums
-        if real < rows:  # the last batch on several ranks: count its real rows only
-            counted = objective(model, take_rows(inputs, real))[1] if real else LossSums(*(t * 0 for t in sums))
-        self.meter.add_eval_local(counted.total())
-        return outputs, sums
-
-    def _take_window_slot(self, inputs) -> tuple[WindowCounts, bool]:
-        if self._window_left <= 0:
-            # compute_loss called outside the Trainer's loop (e.g. a user's own `training_step` call): the
-            # micro-batch is a window of its own.
-            self.window = self.count_window([inputs], self.args.device)
-            self._window_left = 1
-            self._repeated_batches = set()
-            self.meter.start_window()
-        index = self.window.num_micro_batches + len(self._repeated_batches) - self._window_left
-        self._window_left -= 1
-        return self.window, index in self._repeated_batches
 
     # ---- what gets logged -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -608,7 +296,7 @@ class TokenWeightedTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """``Trainer.train``; ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint."""
         resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
-        self._undo_evaluation_preparation()
+        undo_evaluation_preparation(self.accelerator, self.model, self.model_wrapped)
         streaming = isinstance(self.train_dataset, SFTStream)
         self._stream_resume = resume_from_checkpoint if streaming else None
         skip = self.args.ignore_data_skip
@@ -622,24 +310,6 @@ class TokenWeightedTrainer(Trainer):
         # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
         return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
 
-    def _undo_evaluation_preparation(self) -> None:
-        """Let ``train()`` wrap the model for data parallelism after an ``evaluate()`` that came first.
-
-        The stock evaluation loop prepares a bare model in evaluation mode (no DDP wrapper), and accelerate marks it
-        prepared; ``train()``'s own prepare then returns it unwrapped, so on several ranks each rank steps with its
-        own gradient, never all-reduced (transformers 5.24 with accelerate 1.15; the recipe evaluates first).
-        """
-        model = self.model
-        if (
-            self.accelerator.num_processes > 1
-            and not (self.is_deepspeed_enabled or self.is_fsdp_enabled)  # those prepare fully in evaluation too
-            and self.model_wrapped is model
-            and getattr(model, "_is_accelerate_prepared", False)
-        ):
-            extract_model_from_parallel(model, keep_fp32_wrapper=False)  # prepare() puts the autocast wrapper back
-            model._is_accelerate_prepared = False
-            self.accelerator._models = [m for m in self.accelerator._models if m is not model]
-
     def _save_checkpoint(self, model, trial) -> None:
         """The stock checkpoint, then a completion marker, then rotation: a crash mid-save never costs the last good one.
 
@@ -652,338 +322,18 @@ class TokenWeightedTrainer(Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
-        run_dir = self._get_output_dir(trial=trial)
         if self._stream_batches is not None:  # each rank's own position in the stream, before the marker lists files
-            checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            checkpoint = f"{self._get_output_dir(trial=trial)}/checkpoint-{self.state.global_step}"
             save_stream_state(self._stream_batches, self._stream_position, checkpoint)
         # Every rank writes files of its own (its RNG state; shards under FSDP/DeepSpeed): the marker, which lists
         # the checkpoint's files, must wait until all of them are written.
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
-            mark_checkpoint_complete(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"))
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
+            complete_checkpoint(self._get_output_dir(trial=trial), self.state, limit)
 
     def _has_accuracy(self) -> bool:
         return self.objective is not None and self.objective.has_accuracy
 
 
-def warn_about_padding_labels(batches: list[Mapping[str, Any]]) -> None:
-    """Say once when a collator left labels on padding: padding is never a target (:func:`hfacc.loss.shift_labels`).
-
-    Stock ``Trainer`` would train them (the last token learns to predict the pad, pads predict pads); hfacc does not,
-    padded or padding-free, so the two give the same update.
-    """
-    found = 0
-    for batch in batches:
-        labels, mask = batch.get("labels"), batch.get("attention_mask")
-        if torch.is_tensor(labels) and torch.is_tensor(mask) and mask.shape == labels.shape:
-            found += int(((labels != IGNORE_INDEX) & (mask == 0)).sum())
-    if found:
-        logger.warning(
-            "hfacc: %d labels at padding positions (attention_mask 0) are not -100 in the first window; padding is "
-            "never a target, so they are ignored. To train an end-of-sequence token, put it in the examples.",
-            found,
-        )
-
-
-class LossMeter:
-    """Token-weighted loss/accuracy bookkeeping, on device between logs (no host sync per micro-batch).
-
-    A window's sums are *staged* until its optimizer step is taken; a skipped window never reaches the logs.
-    """
-
-    def __init__(self, device: torch.device):
-        # float64: sums over thousands of micro-batches must not lose the fp32 digits that make the log exact.
-        self.dtype = torch.float32 if torch.device(device).type == "mps" else torch.float64
-        self.device = device
-        self.reset_run()
-        self.reset_eval()
-        self.start_window()
-
-    def _zeros(self) -> torch.Tensor:
-        return torch.zeros(2, dtype=self.dtype, device=self.device)  # [loss sum, correct]
-
-    def reset_run(self) -> None:
-        self.run, self.run_targets = self._zeros(), 0
-        self.interval, self.interval_targets = self._zeros(), 0
-        self.skipped_steps = self.empty_windows = 0
-        self.interval_start = time.perf_counter()
-        self.extra: dict[str, float] = {}  # one-off values for the next log (e.g. the accumulation audit)
-
-    def start_window(self) -> None:
-        self.staged = self._zeros()
-        self.staged_losses: list[torch.Tensor] = []
-
-    def add_micro_batch(self, sums: LossSums) -> None:
-        loss = sums.loss.detach().sum()
-        self.staged_losses.append(loss)
-        self.staged += torch.stack([loss.to(self.dtype), sums.correct.sum().to(self.dtype)])
-
-    def commit_window(self, window: WindowCounts) -> None:
-        self.interval += self.staged
-        self.run += self.staged
-        self.interval_targets += window.num_targets
-        self.run_targets += window.num_targets
-        self.start_window()
-
-    def interval_logs(self, accelerator, with_accuracy: bool) -> dict[str, float]:
-        loss_sum, correct = _reduce(self.interval, accelerator).tolist()
-        now = time.perf_counter()
-        logs = {
-            "loss": loss_sum / self.interval_targets if self.interval_targets else float("nan"),
-            "num_targets": self.interval_targets,
-            "target_tokens_per_second": round(self.interval_targets / max(now - self.interval_start, 1e-9), 2),
-        }
-        if with_accuracy and self.interval_targets:
-            logs["token_accuracy"] = correct / self.interval_targets
-        if self.skipped_steps:
-            logs["skipped_steps"] = self.skipped_steps
-        logs.update(self.extra)
-        self.extra = {}
-        self.interval, self.interval_targets, self.interval_start = self._zeros(), 0, now
-        return logs
-
-    def run_logs(self, accelerator, with_accuracy: bool) -> dict[str, float]:
-        loss_sum, correct = _reduce(self.run, accelerator).tolist()
-        logs = {"train_loss": loss_sum / self.run_targets if self.run_targets else float("nan")}
-        logs["train_num_targets"] = self.run_targets
-        if with_accuracy and self.run_targets:
-            logs["train_token_accuracy"] = correct / self.run_targets
-        logs["train_skipped_steps"] = self.skipped_steps
-        return logs
-
-    def reset_eval(self) -> None:
-        self.eval = torch.zeros(3, dtype=self.dtype, device=self.device)  # [loss sum, count, correct], all ranks
-        self.eval_local = torch.zeros(3, dtype=self.dtype, device=self.device)  # this rank's, reduced at the end
-        self.eval_seen = self.eval_local_seen = False
-
-    def add_eval(self, sums: LossSums, accelerator) -> None:
-        per_example = torch.stack([sums.loss.detach(), sums.count, sums.correct], dim=-1).to(self.dtype)
-        if accelerator.num_processes > 1:
-            # gather_for_metrics drops the samples the sampler repeated to even out the last batch across ranks.
-            per_example = accelerator.gather_for_metrics(per_example)
-        self.eval += per_example.reshape(-1, 3).sum(0)
-        self.eval_seen = True
-
-    def add_eval_local(self, sums: LossSums) -> None:
-        """Sums of this rank's real examples only (objectives without per-sequence sums)."""
-        self.eval_local += torch.stack([sums.loss.detach(), sums.count, sums.correct]).to(self.eval_local)
-        self.eval_local_seen = True
-
-    def eval_totals(self, accelerator=None) -> tuple[float, int, float] | None:
-        if not (self.eval_seen or self.eval_local_seen):
-            return None
-        total = self.eval.clone()
-        if self.eval_local_seen:
-            total += _reduce(self.eval_local, accelerator) if accelerator is not None else self.eval_local
-        loss_sum, count, correct = total.tolist()
-        return loss_sum, int(count), correct
-
-
-def _reduce(t: torch.Tensor, accelerator) -> torch.Tensor:
-    return accelerator.reduce(t.clone(), reduction="sum") if accelerator.num_processes > 1 else t
-
-
-def count_real_rows(accelerator, rows: int) -> int:
-    """How many of the ``rows`` of the batch just drawn are real examples, not accelerate's repeats.
-
-    On several ranks, accelerate's ``even_batches`` completes the last global batch of an epoch with examples from
-    its start. Ranks take consecutive blocks of that batch, so rank r's real rows are
-    ``clamp(remainder - r * per_rank, 0, per_rank)`` (the rule ``gather_for_metrics`` drops them by); with a batch
-    sampler of varying batch sizes whole batches are repeated, to the ranks past ``num_batches % P``.
-    """
-    world = accelerator.num_processes
-    loader = accelerator.gradient_state.active_dataloader
-    if world == 1 or loader is None or not getattr(loader, "end_of_dataloader", False):
-        return rows
-    from accelerate.data_loader import DataLoaderShard
-
-    if not isinstance(loader, DataLoaderShard):
-        return rows  # DataLoaderDispatcher (iterable datasets) pads differently: nothing known to drop
-    rank = accelerator.process_index
-    shard = getattr(loader, "batch_sampler", None)
-    if getattr(shard, "batch_size", 1) is None:  # varying batch sizes (e.g. hfacc's token budget)
-        extra = getattr(shard, "total_length", 0) % world
-        return 0 if extra and rank >= extra else rows
-    remainder = getattr(loader, "remainder", -1)
-    if remainder is None or remainder <= 0 or getattr(shard, "drop_last", False):
-        return rows  # the last global batch is full (or dropped, or unknown)
-    per_rank = loader.total_batch_size // world
-    return min(rows, max(0, min(per_rank, remainder - rank * per_rank)))
-
-
-def take_rows(batch: Mapping[str, Any], n: int) -> dict[str, Any]:
-    """The first ``n`` rows of every tensor of ``batch`` that has its batch dimension."""
-    rows = _num_rows(batch)
-    return {k: v[:n] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows else v for k, v in batch.items()}
-
-
-def _num_rows(batch: Mapping[str, Any]) -> int:
-    for key in ("labels", "input_ids", "inputs_embeds", "attention_mask"):
-        if torch.is_tensor(batch.get(key)) and batch[key].dim() > 0:
-            return batch[key].shape[0]
-    return next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
-
-
-class _WindowGuard(TrainerCallback):
-    """Before each optimizer step: decide whether the window may update the weights.
-
-    A window with zero targets on every rank has a zero gradient, but an optimizer step would still move the weights
-    (Adam's momentum, weight decay). A non-finite loss or gradient would poison them. Either way the gradients are
-    dropped, so ``optimizer.step()`` leaves every parameter as it was; the learning-rate schedule still advances.
-    """
-
-    def __init__(self, trainer: TokenWeightedTrainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer.meter.reset_run()
-        if self.trainer.is_deepspeed_enabled:
-            problem = deepspeed_overflow_problem(self.trainer.model_wrapped)
-            # Without the check, a window made to overflow would be applied: NaN weights. Never poison it then.
-            self.trainer._deepspeed_skips_steps = problem is None
-            if problem and self.trainer.skip_nonfinite_steps:
-                raise ValueError(
-                    f"hfacc: skip_nonfinite_steps=True needs DeepSpeed to skip a step with inf/NaN gradients (its "
-                    f"optimizer step runs inside the last micro-batch's backward, before hfacc can act), but {problem}. "
-                    "Change the DeepSpeed config as said, or pass skip_nonfinite_steps=False to let such steps through."
-                )
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        trainer, meter, window = self.trainer, self.trainer.meter, self.trainer.window
-        if window is None:
-            return
-        if window.num_targets == 0:
-            meter.empty_windows += 1
-            logger.warning(
-                "hfacc: step %d: no target in the whole window (every label is -100 on every rank); the step is "
-                "skipped and the weights are unchanged (%d such windows so far).",
-                state.global_step + 1,
-                meter.empty_windows,
-            )
-            _drop_gradients(trainer)
-            meter.start_window()
-            return
-        if trainer.skip_nonfinite_steps and not _window_is_finite(trainer, meter):
-            meter.skipped_steps += 1
-            culprits = [i for i, loss in enumerate(meter.staged_losses) if not torch.isfinite(loss)]
-            where = (
-                f"non-finite loss in micro-batch(es) {culprits} of {window.num_micro_batches} on rank "
-                f"{trainer.accelerator.process_index}"
-                if culprits
-                else "non-finite gradient (the loss was finite on this rank)"
-            )
-            logger.warning(
-                "hfacc: step %d skipped: %s. The weights were not updated (%d skipped so far).",
-                state.global_step + 1,
-                where,
-                meter.skipped_steps,
-            )
-            _drop_gradients(trainer)
-            meter.start_window()
-            if trainer.max_skipped_steps and meter.skipped_steps >= trainer.max_skipped_steps:
-                raise NonFiniteLossError(
-                    f"{meter.skipped_steps} optimizer steps had a non-finite loss or gradient (limit "
-                    f"max_skipped_steps={trainer.max_skipped_steps}); training stopped. The weights were never updated "
-                    "with NaN/inf. Lower the learning rate, check the data the log names, or use bf16 instead of fp16."
-                )
-            return
-        meter.commit_window(window)
-
-
-class NonFiniteLossError(RuntimeError):
-    """Too many optimizer steps had a non-finite loss or gradient."""
-
-
-def mark_for_deepspeed_skip(loss: torch.Tensor, skip_if_nonfinite: bool, skip: bool = False) -> torch.Tensor:
-    """``loss``, made to give NaN gradients when its window's step must be skipped, for DeepSpeed to skip it.
-
-    Under DeepSpeed the optimizer step runs inside the last micro-batch's backward (accelerate's engine wrapper), so
-    no callback can drop the gradients before it. DeepSpeed skips a step whose gradients hold inf/NaN and zeroes them
-    (its overflow check, the one fp16 loss scaling relies on), so a window to skip is turned into such a window: its
-    loss is multiplied by NaN (``skip``: a window without targets) or, with ``skip_if_nonfinite``, by NaN when the
-    loss is not finite (an inf loss can have finite gradients). Otherwise the factor is exactly 1.0: bit for bit the
-    same gradient. No host sync: the factor is chosen on the device.
-    """
-    if skip:
-        return loss * float("nan")
-    if not skip_if_nonfinite:
-        return loss
-    ok = torch.isfinite(loss.detach())
-    return loss * torch.where(ok, torch.ones_like(loss), torch.full_like(loss, float("nan")))
-
-
-def deepspeed_overflow_problem(engine: Any) -> str | None:
-    """Why the DeepSpeed ``engine`` would apply a step with inf/NaN gradients instead of skipping it, or None.
-
-    DeepSpeed 0.19: ZeRO-3 always checks the gradient norm; ZeRO-1/2 check when ``bf16.check_grad_overflow`` (the
-    default) or, outside bf16, when ``zero_optimization.compute_grad_norm`` (the default) is on; fp16 always checks.
-    An optimizer of unknown kind is given the benefit of the doubt, and ``_drop_gradients`` still catches a step that
-    was not skipped.
-    """
-    optimizer = getattr(engine, "optimizer", None)
-    if optimizer is None or engine.zero_optimization_stage() >= 3:
-        return None
-    if hasattr(optimizer, "check_grad_overflow"):  # DeepSpeedZeroOptimizer (ZeRO-1/2)
-        by_norm = getattr(optimizer, "compute_grad_norm", True) and optimizer.dtype != torch.bfloat16
-        if optimizer.check_grad_overflow or by_norm:
-            return None
-        return (
-            "its ZeRO optimizer checks no gradient for inf/NaN (set bf16.check_grad_overflow: true, or "
-            "zero_optimization.compute_grad_norm: true)"
-        )
-    if not hasattr(optimizer, "overflow"):  # a plain torch optimizer: no ZeRO, no fp16/bf16 wrapper
-        return f"its optimizer ({type(optimizer).__name__}) does not check gradients for inf/NaN; use ZeRO stage 1-3"
-    return None
-
-
-def all_ranks_agree(flag: bool, accelerator) -> bool:
-    """True only if ``flag`` is True on every rank (one collective), so that all ranks take the same path."""
-    if accelerator.num_processes == 1:
-        return flag
-    # accelerate's reduce knows sum, mean and max only: count the ranks that said yes.
-    votes = accelerator.reduce(torch.tensor([float(flag)], device=accelerator.device), reduction="sum")
-    return int(votes.item()) == accelerator.num_processes
-
-
-def _window_is_finite(trainer: TokenWeightedTrainer, meter: LossMeter) -> bool:
-    if trainer.is_deepspeed_enabled and trainer.optimizer.step_was_skipped:
-        return False  # DeepSpeed found inf/NaN in the gradients (its flag is already agreed over the ranks)
-    grads = [p.grad for group in trainer.optimizer.param_groups for p in group["params"] if p.grad is not None]
-    total = meter.staged[0].float()
-    if grads:
-        total = total + torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False).float()
-    # Sharded (FSDP) gradients differ per rank: every rank must take the same decision.
-    return all_ranks_agree(bool(torch.isfinite(total)), trainer.accelerator)
-
-
-def _drop_gradients(trainer: TokenWeightedTrainer) -> None:
-    if trainer.accelerator.distributed_type == DistributedType.DEEPSPEED:
-        # The step already ran, inside the last backward. The window was made to overflow (mark_for_deepspeed_skip),
-        # so DeepSpeed's own check must have skipped it and zeroed the gradients; if it did not, say so loudly.
-        if not trainer._deepspeed_skips_steps:  # skip_nonfinite_steps=False with DeepSpeed's check off
-            logger.warning(
-                "hfacc: DeepSpeed's overflow check is off, so this step could not be skipped: it was taken."
-            )
-        elif not trainer.optimizer.step_was_skipped:
-            raise NonFiniteLossError(
-                "hfacc: DeepSpeed applied the update of a window that had to be skipped (no targets, or an inf/NaN "
-                "loss): its overflow check is off. Enable it (bf16.check_grad_overflow: true, or "
-                "zero_optimization.compute_grad_norm: true) or pass skip_nonfinite_steps=False."
-            )
-        return
-    params = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    if getattr(trainer.accelerator, "scaler", None) is not None:
-        # fp16's GradScaler refuses a step without gradients; an inf makes it skip the step (and halve its scale).
-        for p in params:
-            if p.grad is not None:
-                p.grad.fill_(float("inf"))
-        return
-    # torch optimizers leave a parameter whose .grad is None untouched: no update, no momentum, no weight decay.
-    for p in params:
-        p.grad = None
+# Also importable from here, where they lived before (hfacc.trainer.TokenWeightedArguments, ...).
+__all__ = ["TokenWeightedTrainer", "TokenWeightedArguments", "NonFiniteLossError", "get_gradient_scale"]

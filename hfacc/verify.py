@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -20,23 +19,32 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import TrainerCallback
 
-from .loss import LossSums, WindowCounts, normalize_window_loss
-from .objective import (
-    CausalLMObjective,
-    Objective,
-    check_fused_loss,
-    compute_micro_batch_loss,
-    get_aux_loss,
-    get_base_model,
-    get_objective,
-    model_inputs,
+from .arguments import TokenWeightedArguments
+from .audit import (
+    AccumulationAuditCallback,
+    clear_grads,
+    flatten_grads,
+    get_audit_tolerance,
+    relative_error,
 )
-from .trainer import all_ranks_agree, get_gradient_scale
+from .diagnosis import Finding, diagnose, stock_loss
+from .distributed import get_gradient_scale
+from .loss import LossSums, WindowCounts, normalize_window_loss
+from .loss_path import choose_loss_path
+from .model_io import get_aux_loss, get_base_model
+from .objective import CausalLMObjective, Objective
+from .objective_choice import get_objective
+from .window import compute_micro_batch_loss, count_window
 
 PATHS = ("hfacc", "stock")
 logger = logging.getLogger(__name__)
+
+
+def training_field(name: str):
+    """The field ``name`` as :class:`TokenWeightedArguments` defines it: verify checks what training would do."""
+    defined = TokenWeightedArguments.__dataclass_fields__[name]
+    return field(default=defined.default, metadata=dict(defined.metadata))
 
 
 @dataclass
@@ -45,8 +53,8 @@ class VerifyArguments:
 
     per_device_train_batch_size: int = field(default=2, metadata={"help": "Micro-batch size (per rank)."})
     gradient_accumulation_steps: int = field(default=4, metadata={"help": "Micro-batches per optimizer step."})
-    normalization: str = field(default="token", metadata={"help": "'token', 'sequence' or 'micro_batch'."})
-    objective: str = field(default="auto", metadata={"help": "What a target is ('auto': from the model head)."})
+    normalization: str = training_field("normalization")
+    objective: str = training_field("objective")
     tolerance: float = field(
         default=1e-5, metadata={"help": "Largest relative L2 error of the whole gradient that counts as exact (fp32)."}
     )
@@ -64,9 +72,7 @@ class VerifyArguments:
     )
     num_worst: int = field(default=5, metadata={"help": "How many of the worst parameter tensors to list."})
     seed: int = field(default=0, metadata={"help": "Seed of the data sampling and of random ops."})
-    fused_loss: bool = field(
-        default=True, metadata={"help": "Accumulate through the fused chunked loss where training would use it."}
-    )
+    fused_loss: bool = training_field("fused_loss")
     json_path: str | None = field(default=None, metadata={"help": "Also write the report as JSON here."})
 
     def __post_init__(self):
@@ -79,16 +85,6 @@ class VerifyArguments:
         bad = [p for p in self.precisions if p not in ("bf16", "fp16")]
         if bad:
             raise ValueError(f"precisions {bad}: use bf16 and/or fp16.")
-
-
-@dataclass
-class Finding:
-    """One check of an assumption behind equivalence."""
-
-    name: str
-    ok: bool
-    message: str
-    fix: str = ""
 
 
 @dataclass
@@ -207,23 +203,18 @@ def verify_accumulation(
     loss_path = "plain"
     if isinstance(objective, CausalLMObjective):
         reference_objective.fused = False
-        problem = (
-            check_fused_loss(objective, model, micro_batches[0])
-            if fused_loss and normalization != "sequence"
-            else "off"
+        problem = choose_loss_path(
+            objective, model, micro_batches[0], accelerator, fused_loss=fused_loss, normalization=normalization
         )
-        objective.fused = all_ranks_agree(problem is None, accelerator)
         loss_path = "fused chunked cross-entropy" if objective.fused else f"plain ({problem})"
     wrapped = accelerator.prepare_model(model) if world > 1 else model
     named = [(n, p) for n, p in get_base_model(model).named_parameters() if p.requires_grad]
 
-    counts = torch.stack([objective.count(b).to(accelerator.device) for b in micro_batches])
-    totals = accelerator.reduce(counts.sum(0), reduction="sum") if world > 1 else counts.sum(0)
-    window = WindowCounts(int(totals[0]), int(totals[1]), len(micro_batches))
+    window = count_window(objective.count, micro_batches, accelerator)
     scale = get_gradient_scale(accelerator.distributed_type, world)
 
     def accumulate(which: str, autocast: torch.dtype | None = None) -> torch.Tensor:
-        _zero(named)
+        clear_grads(named)
         torch.manual_seed(seed + 1 + rank)
         for i, batch in enumerate(micro_batches):
             sync = (
@@ -236,12 +227,12 @@ def verify_accumulation(
                         objective, wrapped, batch, window, normalization=normalization, world_size=scale
                     )
                 else:
-                    loss = _stock_loss(wrapped, batch, objective, window, len(micro_batches), scale)
+                    loss = stock_loss(wrapped, batch, objective, window, len(micro_batches), scale)
                 loss.backward()
-        return _flat(named)
+        return flatten_grads(named)
 
     def reference() -> torch.Tensor:
-        _zero(named)
+        clear_grads(named)
         torch.manual_seed(seed + 1)
         inner = get_base_model(model) if world > 1 else model
         outputs, sums = reference_objective(inner, full_batch, per_sequence=normalization == "sequence")
@@ -254,18 +245,18 @@ def verify_accumulation(
             loss = normalize_window_loss(sums, whole, normalization=normalization)
         aux = get_aux_loss(inner, outputs)  # the big batch's own router loss: what one big step would add
         (loss if aux is None else loss + aux).backward()
-        return _flat(named)
+        return flatten_grads(named)
 
     ref = reference()
     main = accumulate(path)
     try:
-        other_error = _relative(accumulate("stock" if path == "hfacc" else "hfacc"), ref)
+        other_error = relative_error(accumulate("stock" if path == "hfacc" else "hfacc"), ref)
     except (TypeError, KeyError, AttributeError, ValueError):  # e.g. stock needs a model that takes labels
         other_error = None
-    error = _relative(main, ref)
+    error = relative_error(main, ref)
     sizes = [p.numel() for _, p in named]
     per_tensor = [
-        (name, _relative(a, b))
+        (name, relative_error(a, b))
         for (name, _), a, b in zip(named, main.split(sizes), ref.split(sizes), strict=True)
         if b.norm() > 0 or a.norm() > 0
     ]
@@ -274,10 +265,10 @@ def verify_accumulation(
     for precision in precisions:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         try:
-            precision_errors[precision] = _relative(accumulate(path, autocast=dtype), main)
+            precision_errors[precision] = relative_error(accumulate(path, autocast=dtype), main)
         except RuntimeError:  # e.g. fp16 autocast unsupported on this device
             continue
-    _zero(named)
+    clear_grads(named)
     findings = diagnose(model, objective, micro_batches[0], path, normalization, window, micro_batches)
     report = VerifyReport(
         passed=bool(error <= tolerance),
@@ -294,7 +285,7 @@ def verify_accumulation(
             "world_size": world,
             "examples": need,
             "num_targets": window.num_targets,
-            "targets_per_micro_batch": [int(c[0]) for c in counts],
+            "targets_per_micro_batch": [int(objective.count(b)[0]) for b in micro_batches],
             "objective": objective.name,
             "normalization": normalization,
             "loss_path": loss_path,
@@ -315,162 +306,6 @@ def verify_accumulation(
     return report
 
 
-def diagnose(model, objective, batch, path, normalization, window, micro_batches) -> list[Finding]:
-    """Inspect the model and the run for what breaks equivalence; each finding says why and how to fix it."""
-    base = get_base_model(model)
-    findings = []
-    batchnorms = [n for n, m in base.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-    findings.append(
-        Finding(
-            "batch statistics",
-            not batchnorms,
-            f"BatchNorm in train mode normalizes with the statistics of each micro-batch: {batchnorms[:3]}"
-            if batchnorms
-            else "no BatchNorm (or other batch-statistics layer) in train mode",
-            "put those layers in eval mode (frozen statistics), or replace them with LayerNorm/GroupNorm",
-        )
-    )
-    dropouts = _active_dropout(base)
-    random_ops = _forward_is_random(model, batch)
-    if random_ops or dropouts:
-        why = "two identical forwards differ" if random_ops else "dropout is active (its masks also change gradients)"
-        message = (
-            f"{why}: random ops draw different values per micro-batch ({', '.join(dropouts[:4]) or 'unknown op'})"
-        )
-    else:
-        message = "two identical forwards agree and no dropout is active"
-    findings.append(
-        Finding(
-            "randomness",
-            not (random_ops or dropouts),
-            message,
-            "set dropout to 0 (config attention_dropout/hidden_dropout, lora_dropout) for an exact step; with "
-            "dropout the accumulated step is a different random draw of the same expected update",
-        )
-    )
-    config = getattr(base, "config", None)
-    aux = getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0)
-    findings.append(
-        Finding(
-            "auxiliary losses",
-            not aux,
-            f"the model adds a router load-balancing loss (coef {aux}) computed from each micro-batch's own routing "
-            "statistics; averaged over micro-batches it depends on how the window is split"
-            if aux
-            else "no auxiliary loss computed per micro-batch",
-            "accept it as an approximation, or turn it off (output_router_logits=False) when checking exactness",
-        )
-    )
-    if objective.exact:
-        findings.append(Finding("objective", True, f"'{objective.name}' counts targets exactly"))
-    else:
-        findings.append(
-            Finding(
-                "objective",
-                False,
-                f"'{objective.name}' uses the model's own mean loss: every micro-batch weighs the same",
-                "pass an hfacc.Objective (or FunctionObjective) that returns loss sums and target counts",
-            )
-        )
-    if path == "stock":
-        findings.append(_stock_finding(model, objective, micro_batches, window))
-    if normalization == "micro_batch":
-        findings.append(
-            Finding(
-                "normalization",
-                True,
-                "'micro_batch' is the mean of micro-batch means: exact for its own definition, which is not the "
-                "big-batch token mean unless all micro-batches have the same number of targets",
-            )
-        )
-    return findings
-
-
-def _stock_finding(model, objective, micro_batches, window) -> Finding:
-    accepts = _accepts_loss_kwargs(model)
-    counts = [int(objective.count(b)[0]) for b in micro_batches]
-    uneven = len(set(counts)) > 1
-    if not accepts:
-        return Finding(
-            "stock Trainer",
-            not uneven,
-            f"the model's forward has no **kwargs, so stock Trainer divides each micro-batch's mean loss by k: "
-            f"micro-batches of {counts} targets then weigh the same"
-            if uneven
-            else "stock Trainer divides each micro-batch mean by k; exact here only because all micro-batches have "
-            "the same number of targets",
-            "use hfacc.TokenWeightedTrainer (it counts the targets itself)",
-        )
-    batch = micro_batches[0]
-    with torch.no_grad():
-        plain = _own_loss(model(**batch))
-        told = _own_loss(model(**batch, num_items_in_batch=torch.tensor(max(window.num_targets, 1))))
-    if plain is not None and told is not None and torch.allclose(plain, told):
-        return Finding(
-            "stock Trainer",
-            False,
-            "the model's forward takes **kwargs, so stock Trainer passes num_items_in_batch and skips its own "
-            "division by k, but this model's loss ignores it: the accumulated gradient is about k times too large",
-            "use hfacc.TokenWeightedTrainer, or make the model's loss sum over targets and divide by num_items_in_batch",
-        )
-    return Finding(
-        "stock Trainer",
-        True,
-        "the model's loss consumes num_items_in_batch, so stock Trainer normalizes by the window",
-    )
-
-
-def _stock_loss(model, batch, objective, window, k, scale):
-    """What transformers.Trainer (5.x) backpropagates for one micro-batch, with average_tokens_across_devices."""
-    if _accepts_loss_kwargs(model):
-        n = torch.tensor(max(window.num_targets, 1), device=batch["labels"].device)
-        return _own_loss(model(**batch, num_items_in_batch=n)) * scale
-    return _own_loss(model(**batch)) / k
-
-
-def _own_loss(outputs) -> torch.Tensor:
-    """The loss a model computed itself (as Trainer reads it: ``outputs["loss"]`` or ``outputs[0]``)."""
-    return outputs["loss"] if isinstance(outputs, Mapping) else outputs[0]
-
-
-def _accepts_loss_kwargs(model) -> bool:
-    base = get_base_model(model)
-    if hasattr(base, "accepts_loss_kwargs"):
-        return bool(base.accepts_loss_kwargs)
-    params = inspect.signature(base.forward).parameters.values()
-    return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _active_dropout(model) -> list[str]:
-    names = [
-        n or "model"
-        for n, m in model.named_modules()
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
-    ]
-    config = getattr(model, "config", None)
-    if config is not None:
-        for key, value in config.to_dict().items():
-            if "dropout" in key and isinstance(value, (int, float)) and value > 0:
-                names.append(f"config.{key}={value}")
-    return names
-
-
-def _forward_is_random(model, batch) -> bool:
-    inputs = model_inputs(batch)
-    with torch.no_grad():
-        a = _first_tensor(model(**inputs))
-        b = _first_tensor(model(**inputs))
-    return not torch.equal(a, b)
-
-
-def _first_tensor(outputs):
-    if torch.is_tensor(outputs):
-        return outputs
-    if isinstance(outputs, Mapping):
-        return next(v for v in outputs.values() if torch.is_tensor(v))
-    return outputs[0]
-
-
 def _micro_batch_reference(model, objective, examples, collate, size, device):
     # 'micro_batch' is defined over micro-batches: the big-batch reference is the mean of all their means.
     parts = [_to(collate(examples[i : i + size]), device) for i in range(0, len(examples), size)]
@@ -488,23 +323,6 @@ def _sequence_counts(sums: LossSums) -> tuple[int, int]:
     return int(count.sum()), sequences
 
 
-def _zero(named):
-    for _, p in named:
-        p.grad = None
-
-
-def _flat(named) -> torch.Tensor:
-    return torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().double().flatten() for _, p in named]
-    )
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    denominator = b.norm().item()
-    difference = (a - b).norm().item()
-    return difference / denominator if denominator > 0 else (0.0 if difference == 0 else math.inf)
-
-
 def _to(batch, device):
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
@@ -518,118 +336,3 @@ __all__ = [
     "AccumulationAuditCallback",
     "get_audit_tolerance",
 ]
-
-
-def get_audit_tolerance(dtype: torch.dtype) -> float:
-    """The largest audit error that still counts as exact when the training arithmetic runs in ``dtype``.
-
-    The audit compares two computations of the same gradient that are equal in exact arithmetic but round
-    differently (micro-batches of different shapes). In fp32 that difference is ~1e-7, and the tolerance 1e-4. In
-    half precision it is a fraction of the format's machine epsilon: measured on a tiny Llama under bf16 autocast,
-    1.7e-3 to 2.3e-3 (epsilon 2**-7 = 7.8e-3), while ``hfacc verify`` measures bf16's rounding against fp32 at
-    5.4e-3. The tolerance is ``max(1e-4, 4 * epsilon)``: 3.1e-2 in bf16, 3.9e-3 in fp16. What breaks equivalence
-    (dropout, batch statistics, a mean of micro-batch means) gives errors of 0.1 and more.
-
-    >>> get_audit_tolerance(torch.bfloat16)
-    0.03125
-    """
-    return max(1e-4, 4 * torch.finfo(dtype).eps)
-
-
-def get_compute_dtype(trainer) -> torch.dtype:
-    """The precision the trainer's arithmetic runs in: the autocast dtype of mixed precision, else the weights'."""
-    mixed = getattr(trainer.accelerator, "mixed_precision", "no")
-    if mixed in ("bf16", "fp16"):
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed]
-    dtypes = [p.dtype for p in trainer.model.parameters() if p.is_floating_point() and p.requires_grad]
-    return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
-
-
-class AccumulationAuditCallback(TrainerCallback):
-    """Audit one window every ``every_n_steps`` optimizer steps during training, and log the error.
-
-    Just before the optimizer step, the window's gradient is recomputed from the same parameters with every example
-    as its own micro-batch (same window normalization), and compared with the gradient training accumulated. Only
-    batch size 1 is ever run, so the audit needs no more memory than training. An exact setup gives the rounding of
-    the training precision (~1e-7 in fp32, ~2e-3 in bf16); batch statistics, randomness or a mis-normalized loss
-    show up as large errors. The error is logged as ``accumulation_audit_error`` and a warning is printed above
-    ``tolerance`` (by default :func:`get_audit_tolerance` of the precision the trainer computes in). RNG states are
-    restored afterwards, so an audited run trains exactly like an unaudited one.
-
-    >>> trainer.add_callback(AccumulationAuditCallback(trainer, every_n_steps=100))  # doctest: +SKIP
-    """
-
-    def __init__(self, trainer, every_n_steps: int = 100, tolerance: float | None = None):
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps={every_n_steps}: it must be >= 1.")
-        if tolerance is not None and not tolerance > 0:
-            raise ValueError(f"tolerance={tolerance}: it must be > 0 (or None: from the training precision).")
-        self.trainer, self.every_n_steps, self.tolerance = trainer, every_n_steps, tolerance
-        self.errors: list[tuple[int, float]] = []
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if self.tolerance is None:
-            self.tolerance = get_audit_tolerance(get_compute_dtype(self.trainer))
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        trainer = self.trainer
-        step = state.global_step + 1
-        if step % self.every_n_steps or trainer.window is None or trainer.window.num_targets == 0:
-            return
-        if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
-            logger.warning("hfacc: the accumulation audit needs full local gradients; skipped under DeepSpeed/FSDP.")
-            return
-        error = audit_window(trainer)
-        self.errors.append((step, error))
-        trainer.meter.extra["accumulation_audit_error"] = error
-        if not error <= self.tolerance:
-            logger.warning(
-                "hfacc: step %d: the accumulated gradient differs from a per-example recomputation by %.2e (tolerance "
-                "%.0e); run `hfacc verify` on this model and data for a diagnosis.",
-                step,
-                error,
-                self.tolerance,
-            )
-
-
-def audit_window(trainer) -> float:
-    """Relative error between the trainer's accumulated gradient and a per-example recomputation of its window."""
-    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    trained = _flat(named)
-    saved = [None if p.grad is None else p.grad.detach().clone() for _, p in named]
-    cpu_rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    accelerator, window, normalization = trainer.accelerator, trainer.window, trainer.normalization
-    scale = get_gradient_scale(accelerator.distributed_type, accelerator.num_processes)
-    try:
-        _zero(named)
-        for batch in trainer.window_batches:
-            batch = trainer._prepare_inputs(batch)
-            rows = batch["labels"].shape[0]
-            # 'micro_batch' is defined by the micro-batches themselves; the others are invariant to the split.
-            pieces = [batch] if normalization == "micro_batch" else [_rows(batch, i) for i in range(rows)]
-            for piece in pieces:
-                loss, _, _ = compute_micro_batch_loss(
-                    trainer.objective, model, piece, window, normalization=normalization, world_size=scale
-                )
-                loss.backward()
-        if accelerator.num_processes > 1:
-            for _, p in named:  # what DDP's all-reduce does to the trained gradient
-                if p.grad is not None:
-                    p.grad = accelerator.reduce(p.grad, reduction="mean")
-        if trainer.args.max_grad_norm and trainer.args.max_grad_norm > 0:
-            # The trained gradient was clipped already; clip the recomputed one the same way.
-            torch.nn.utils.clip_grad_norm_([p for _, p in named], trainer.args.max_grad_norm)
-        recomputed = _flat(named)
-    finally:
-        for (_, p), g in zip(named, saved, strict=True):
-            p.grad = g
-        torch.random.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-    return _relative(recomputed, trained)
-
-
-def _rows(batch, i):
-    return {k: v[i : i + 1] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}

@@ -38,8 +38,9 @@ from hfacc import (  # noqa: E402
     build_tiny_llama,
     iter_windows,
 )
-from hfacc.objective import CausalLMObjective, check_fused_loss  # noqa: E402
-from hfacc.trainer import all_ranks_agree  # noqa: E402
+from hfacc.distributed import all_ranks_agree  # noqa: E402
+from hfacc.loss_path import check_fused_loss
+from hfacc.objective import CausalLMObjective  # noqa: E402
 from tests.distributed_check import imbalanced_examples  # noqa: E402
 from tests.helpers import full_batch_causal_lm, make_examples, relative_error, train_args  # noqa: E402
 

@@ -45,7 +45,7 @@ def test_trainer_with_a_token_budget_is_exact(tmp_path):
         tmp_path, 1, k, args_class=TokenWeightedArguments, max_tokens_per_batch=120, train_sampling_strategy="random"
     )
     trainer, capture = run_trainer(TokenWeightedTrainer, model, examples, args, COLLATE)
-    sizes = [b["input_ids"].shape for b in trainer.window_batches]
+    sizes = [b["input_ids"].shape for b in trainer.window.batches]
     assert len({s[0] for s in sizes}) > 1 and all(s[0] * s[1] <= 120 for s in sizes if s[0] > 1)
     assert len(capture.grads) == 1 and relative_error(capture.grads[0], reference) <= 1e-6
     assert trainer.state.log_history[0]["loss"] == pytest.approx(token_loss, rel=1e-5)

@@ -69,11 +69,10 @@ def test_accelerate_config_loads_and_its_keys_exist(path):
     assert text.startswith("# ") and "accelerate launch --config_file accelerate_configs/" in text
 
 
-def test_verify_accepts_every_key_of_the_recipe_config():
-    """`hfacc verify --config` skips the recipe's own keys; its list must follow the recipe's dataclass."""
-    import dataclasses
+def test_recipe_and_hfacc_sft_share_one_definition_of_the_settings():
+    """`hfacc sft`, recipes/sft.py and `hfacc verify --config` read the same dataclasses: nothing is copied."""
+    import hfacc.sft
 
-    from hfacc.cli import _SFTKeys
-
-    recipe_fields = {f.name for f in dataclasses.fields(load_recipe().SFTArguments)}
-    assert recipe_fields == {f.name for f in dataclasses.fields(_SFTKeys)}
+    recipe = load_recipe()
+    assert recipe.SFTArguments is hfacc.sft.SFTArguments and recipe.main is hfacc.sft.main
+    assert list(hfacc.sft.SFT_ARGUMENTS) == recipe_types(recipe)

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
-from hfacc.loss import fused_linear_cross_entropy_sums
-from hfacc.objective import CausalLMObjective, check_fused_loss
+from hfacc.fused_loss import fused_linear_cross_entropy_sums, linear_cross_entropy_chunk
+from hfacc.loss_path import check_fused_loss
+from hfacc.objective import CausalLMObjective
 from tests.helpers import (
     VOCAB,
     flat_grad,
@@ -47,6 +48,25 @@ def test_pure_function_matches_torch(smoothing, bias, chunk):
     torch.testing.assert_close(per_target.sum(), reference.detach(), rtol=1e-6, atol=0)
     for a, c in zip(ours, theirs, strict=True):
         assert relative_error(a, c) <= 1e-6
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunk_function_matches_autograd(smoothing, bias):
+    """The kernel's pure per-chunk step: per-row losses, argmax hits and d(sum of losses)/d(logits) by autograd."""
+    torch.manual_seed(1)
+    hidden, weight = torch.randn(40, 16), torch.randn(53, 16) * 0.2
+    b = torch.randn(53) * 0.1 if bias else None
+    targets = torch.randint(0, 53, (40,))
+    losses, correct, grad_logits = linear_cross_entropy_chunk(hidden, weight, b, targets, smoothing)
+    logits = F.linear(hidden, weight, b).requires_grad_()
+    reference = F.cross_entropy(logits, targets, reduction="none", label_smoothing=smoothing)
+    reference.sum().backward()
+    torch.testing.assert_close(losses, reference.detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(correct, logits.argmax(-1) == targets)
+    assert relative_error(grad_logits, logits.grad) <= 1e-6
+    no_grad = linear_cross_entropy_chunk(hidden, weight, b, targets, smoothing, with_grad=False)
+    assert no_grad[2] is None and torch.equal(no_grad[0], losses)
 
 
 def model_kind(kind):

@@ -156,7 +156,7 @@ def test_one_row_for_variable_length_kernels_rows_for_dense_masks():
 @pytest.mark.parametrize("layout", ["rows", "one_row"])
 def test_trainer_is_padding_free_by_default_and_exact(tmp_path, caplog, monkeypatch, layout):
     if layout == "one_row":  # what flash/flex attention get (neither runs backward on this CPU); sdpa is exact too
-        monkeypatch.setattr("hfacc.trainer.uses_one_row", lambda model: True)
+        monkeypatch.setattr("hfacc.padding_free.uses_one_row", lambda model: True)
     examples = make_examples(16, seed=4)
     model = build_tiny_llama(vocab_size=VOCAB)
     reference, token_loss, accuracy = full_batch_causal_lm(model, examples)

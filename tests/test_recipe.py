@@ -69,6 +69,20 @@ def test_one_process_writes_model_tokenizer_metrics_and_plot(tmp_path):
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
 
 
+def test_hfacc_sft_runs_the_recipes_job(tmp_path, capsys):
+    """`hfacc sft` is the recipe's job: same settings (the default YAML included), same numbers."""
+    from hfacc.cli import main as cli_main
+
+    extra = ["--max_steps", "2", "--save_strategy", "no", "--num_exact_match_examples", "0"]
+    recipe = run_in_process(tmp_path / "recipe", *extra)
+    assert cli_main(["sft", *SHORT, *extra, "--output_dir", str(tmp_path / "cli")]) == 0
+    assert "hfacc SFT summary" in capsys.readouterr().out
+    command = json.loads((tmp_path / "cli" / "metrics.json").read_text())
+    for key in ("eval_loss_before", "eval_loss_after", "steps"):
+        assert command[key] == recipe[key], key
+    assert command["train"]["train_loss"] == recipe["train"]["train_loss"]
+
+
 def test_resumed_run_ends_with_the_same_weights(tmp_path):
     full = tmp_path / "full"
     run_in_process(full)

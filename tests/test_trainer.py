@@ -229,8 +229,7 @@ def test_deepspeed_backward_does_not_divide_by_accumulation_steps(tmp_path):
     model = build_model("llama")
     trainer = TokenWeightedTrainer(model=model, args=train_args(tmp_path, 2, 2), data_collator=COLLATE)
     batches = [COLLATE(examples[:2]), COLLATE(examples[2:])]
-    trainer.window = trainer.count_window(batches, torch.device("cpu"))
-    trainer._window_left = 2
+    trainer.window = trainer.open_window(batches, torch.device("cpu"))
     seen = {}
 
     def fake_backward(loss, **kwargs):
@@ -256,3 +255,21 @@ def test_invalid_settings_name_the_field():
         TokenWeightedArguments(output_dir="x", normalization="mean")
     with pytest.raises(ValueError, match="objective"):
         TokenWeightedArguments(output_dir="x", objective="ctc")
+
+
+def test_plain_training_arguments_are_converted_once(tmp_path):
+    """A plain TrainingArguments becomes TokenWeightedArguments with every field kept and hfacc's defaults added."""
+    import dataclasses
+
+    from transformers import Seq2SeqTrainingArguments
+
+    plain = train_args(tmp_path, 2, 3, label_smoothing_factor=0.1, lr_scheduler_type="cosine", optim="sgd")
+    trainer = TokenWeightedTrainer(model=build_tiny_llama(vocab_size=VOCAB), args=plain, data_collator=COLLATE)
+    assert type(trainer.args) is TokenWeightedArguments
+    assert all(getattr(trainer.args, f.name) == getattr(plain, f.name) for f in dataclasses.fields(plain))
+    defaults = TokenWeightedArguments(output_dir=str(tmp_path))
+    assert (trainer.args.normalization, trainer.args.max_skipped_steps) == (defaults.normalization, 10)
+    seq2seq = Seq2SeqTrainingArguments(str(tmp_path), predict_with_generate=True, use_cpu=True, report_to=[])
+    converted = TokenWeightedTrainer(model=build_tiny_llama(vocab_size=VOCAB), args=seq2seq).args
+    assert isinstance(converted, Seq2SeqTrainingArguments) and isinstance(converted, TokenWeightedArguments)
+    assert converted.predict_with_generate and converted.fused_loss

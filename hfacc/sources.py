@@ -1,0 +1,200 @@
+"""Where SFT rows come from: a hub dataset, a local .json/.jsonl/.csv/.parquet file, a saved directory, or the
+embedded default; and the train/held-out split."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .formats import (
+    FORMAT_COLUMNS,
+    DataError,
+    _is_conversation,
+    _string,
+    detect_format,
+    normalize_messages,
+    normalize_tools,
+)
+
+logger = logging.getLogger(__name__)
+
+
+SOURCE_ROW = "_source_row"
+
+
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def load_sft_source(
+    name_or_path: str | None,
+    *,
+    config: str | None = None,
+    split: str = "train",
+    eval_split: str | None = None,
+    eval_fraction: float = 0.05,
+    max_examples: int | None = None,
+    seed: int = 0,
+    num_embedded: int = 4000,
+):
+    """Load raw SFT data and return ``(train, eval)`` ``datasets.Dataset`` s.
+
+    ``name_or_path`` is a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file, a directory written by
+    ``Dataset.save_to_disk``, a hub dataset name, or ``None`` for the embedded instruction dataset. Without an
+    ``eval_split``, a seeded ``eval_fraction`` of the examples is held out.
+    """
+    import datasets
+
+    if name_or_path is None:
+        from .embedded import generate_instruction_examples
+
+        data = datasets.Dataset.from_list(generate_instruction_examples(num_embedded, seed=seed))
+        held_out = None
+    else:
+        path = Path(name_or_path)
+        if path.suffix in LOCAL_FORMATS:
+            if not path.is_file():
+                raise DataError(f"dataset {name_or_path}: no such file.")
+            if path.suffix in (".json", ".jsonl"):
+                # Check the rows as written, before Arrow unifies types (it turns "4" into 4 when another row
+                # holds a number), so an error names the row and line that is really wrong.
+                validate_json_file(path)
+            try:
+                data = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+            except Exception as err:  # pyarrow errors name neither the row nor the fix
+                raise DataError(
+                    f"{path} cannot be read as {LOCAL_FORMATS[path.suffix]}: {err}. Check that every row is valid "
+                    "and that each column has one type throughout."
+                ) from err
+            held_out = None
+        elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+            loaded = datasets.load_from_disk(str(path))
+            data, held_out = _pick_splits(loaded, split, eval_split, name_or_path)
+        else:
+            loaded = datasets.load_dataset(name_or_path, config)
+            data, held_out = _pick_splits(loaded, split, eval_split, name_or_path)
+    if max_examples is not None:
+        data = data.select(range(min(max_examples, len(data))))
+    # Errors found later (in build_sft_dataset) name the row of the source, not of a shuffled split.
+    data = data.add_column(SOURCE_ROW, list(range(len(data))))
+    if held_out is not None:
+        held_out = held_out.add_column(SOURCE_ROW, list(range(len(held_out))))
+    if held_out is None:
+        if not 0 < eval_fraction < 1:
+            raise DataError(
+                f"eval_fraction={eval_fraction}: it must be between 0 and 1 (exclusive) without eval_split."
+            )
+        parts = data.train_test_split(test_size=eval_fraction, seed=seed)
+        data, held_out = parts["train"], parts["test"]
+    return data, held_out
+
+
+def validate_json_file(path: str | Path) -> None:
+    """Parse a .json/.jsonl file with Python's json and check every row's fields; DataError names row and line."""
+    path = Path(path)
+    records: list[tuple[str, Any]] = []
+    if path.suffix == ".jsonl":
+        with open(path) as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    records.append((f"{len(records)} (line {number} of {path.name})", json.loads(line)))
+                except ValueError as err:
+                    raise DataError(f"{path}: line {number} is not valid JSON ({err}).") from err
+    else:
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as err:
+            raise DataError(f"{path} is not valid JSON ({err}).") from err
+        rows = data if isinstance(data, list) else next((v for v in data.values() if isinstance(v, list)), None)
+        if rows is None:
+            raise DataError(f"{path}: expected a list of rows (or an object holding one).")
+        records = [(f"{i} of {path.name}", row) for i, row in enumerate(rows)]
+    if not records:
+        raise DataError(f"{path} holds no rows.")
+    for label, row in records:
+        if not isinstance(row, Mapping):
+            raise DataError(f"row {label}: expected an object with named fields, got {type(row).__name__}.")
+    format = detect_format(list(records[0][1]))
+    for label, row in records:
+        missing = [c for c in FORMAT_COLUMNS[format] if c not in row]
+        if missing:
+            raise DataError(f"row {label}: no field {missing[0]!r}, which the other rows ({format} format) have.")
+        if format == "messages":
+            normalize_messages(row["messages"], label, "messages", need_assistant=True)
+            normalize_tools(row.get("tools"), label)
+        elif format == "text":
+            _string(row, "text", label)
+        elif _is_conversation(row["prompt"]) or _is_conversation(row["completion"]):
+            normalize_messages(row["prompt"], label, "prompt", need_assistant=False)
+            normalize_messages(row["completion"], label, "completion", need_assistant=True)
+            normalize_tools(row.get("tools"), label)
+        else:
+            _string(row, "prompt", label, allow_empty=True)
+            _string(row, "completion", label)
+
+
+def _pick_splits(loaded, split, eval_split, name):
+    import datasets
+
+    if isinstance(loaded, datasets.Dataset):
+        return loaded, None
+    if split not in loaded:
+        raise DataError(f"dataset {name} has no split {split!r}; it has {list(loaded)}. Set dataset_train_split.")
+    if eval_split is not None and eval_split not in loaded:
+        raise DataError(f"dataset {name} has no split {eval_split!r}; it has {list(loaded)}. Set dataset_eval_split.")
+    return loaded[split], (loaded[eval_split] if eval_split else None)
+
+
+def load_stream_source(args, seed: int = 0):
+    """``(train, raw_eval)``: the training rows as a ``datasets.IterableDataset``, and the held-out rows as a
+    ``datasets.Dataset`` (the first ``stream_eval_examples`` rows of ``dataset_eval_split``, or of the stream, which
+    then trains on the rest).
+
+    A local ``.json``/``.jsonl``/``.csv``/``.parquet`` file is streamed from disk, a hub name from the hub, a
+    ``save_to_disk`` directory as an iterable view, ``None`` (the embedded data) from its generator.
+    """
+    import datasets
+
+    name = args.dataset_name
+    held_out = None
+    if name is None:
+        from .embedded import generate_instruction_examples
+
+        count = args.num_embedded_examples
+
+        def embedded_rows():
+            yield from generate_instruction_examples(count, seed=seed)
+
+        source = datasets.IterableDataset.from_generator(embedded_rows)
+    else:
+        path = Path(name)
+        if path.suffix in LOCAL_FORMATS:
+            if not path.is_file():
+                raise DataError(f"dataset {name}: no such file.")
+            source = datasets.load_dataset(
+                LOCAL_FORMATS[path.suffix], data_files=str(path), split="train", streaming=True
+            )
+        elif path.is_dir() and (path / "dataset_info.json").exists():
+            source = datasets.load_from_disk(str(path)).to_iterable_dataset()
+        else:
+            source = datasets.load_dataset(name, args.dataset_config, split=args.dataset_train_split, streaming=True)
+            if args.dataset_eval_split:
+                held_out = datasets.load_dataset(
+                    name, args.dataset_config, split=args.dataset_eval_split, streaming=True
+                ).take(args.stream_eval_examples)
+    if source.n_shards == 1:
+        # One shard is split row by row across ranks, so an index taken before the split is the row's place in the
+        # stream: errors name it, as the map-style path names rows.
+        source = source.map(lambda row, i: {SOURCE_ROW: i}, with_indices=True)
+    if held_out is None:
+        held_out, source = source.take(args.stream_eval_examples), source.skip(args.stream_eval_examples)
+    if args.max_examples is not None:
+        source = source.take(args.max_examples)
+    raw_eval = datasets.Dataset.from_list(list(held_out))
+    if len(raw_eval) == 0:
+        raise DataError(f"dataset {name or '(embedded)'}: the stream is empty; nothing to hold out or train on.")
+    return source, raw_eval
