@@ -94,7 +94,7 @@ def build_trainer(model, stream, tokenizer, out, **settings):
 
     def recording(*a, **k):
         result = take(*a, **k)
-        windows.append([s for b in trainer.window_batches for s in sequences(b)])
+        windows.append([s for b in trainer.window.batches for s in sequences(b)])
         return result
 
     trainer.get_batch_samples = recording
@@ -125,7 +125,7 @@ def exactness_case(tokenizer, rows, out, packing=False, **settings):
     return {
         "grad_error": relative_error(capture.grads[0], grad),
         "indices_per_rank": [[index[tuple(s)] for s in rank] for rank in per_rank],
-        "packed_rows": all("attention_mask" not in b for b in trainer.window_batches),
+        "packed_rows": all("attention_mask" not in b for b in trainer.window.batches),
     }
 
 
