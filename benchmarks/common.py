@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmarks: a Llama-style model, variable-length masked data, a step timer."""
+"""Shared pieces of the benchmarks: a Llama-style model, variable-length masked data, a step timer, an RSS sampler."""
 
 from __future__ import annotations
 
@@ -77,3 +77,21 @@ def bench_args(output_dir, bs, ga, max_steps, **overrides):
 
 def median(xs):
     return statistics.median(xs) if xs else float("nan")
+
+
+class RSSSampler(TrainerCallback):
+    """Resident memory (MiB) every ``every`` optimizer steps, as ``(step * scale, rss)``, and its peak over all steps.
+
+    ``scale`` turns steps into another unit (rows read per step, for a stream).
+    """
+
+    def __init__(self, every: int = 100, scale: int = 1):
+        import psutil
+
+        self.every, self.scale, self.samples, self.peak, self.process = every, scale, [], 0.0, psutil.Process()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        rss = self.process.memory_info().rss / 2**20
+        self.peak = max(self.peak, rss)
+        if state.global_step % self.every == 0:
+            self.samples.append((state.global_step * self.scale, rss))

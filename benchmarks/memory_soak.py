@@ -10,23 +10,16 @@ Trains the embedded tiny Llama with micro-batches of 1 and GA 2, samples the pro
 import argparse
 import sys
 import tempfile
+from pathlib import Path
 
-import psutil
 from datasets import Dataset
-from transformers import TrainerCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RSSSampler  # noqa: E402
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer
 from hfacc.data import build_sft_dataset
 from hfacc.embedded import build_default_model, build_default_tokenizer, generate_instruction_examples
-
-
-class RSSSampler(TrainerCallback):
-    def __init__(self, every=100):
-        self.every, self.samples, self.process = every, [], psutil.Process()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every == 0:
-            self.samples.append((state.global_step, self.process.memory_info().rss / 2**20))
 
 
 def soak(steps: int = 3000, every: int = 100, warmup: int = 300) -> dict:

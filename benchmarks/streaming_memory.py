@@ -14,10 +14,12 @@ import argparse
 import random
 import sys
 import tempfile
+from pathlib import Path
 
-import psutil
 from datasets import IterableDataset
-from transformers import TrainerCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RSSSampler  # noqa: E402
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer
 from hfacc.data import build_sft_dataset
@@ -31,18 +33,6 @@ def arithmetic_rows(n: int, seed: int = 0):
         yield {"prompt": f"What is {a} + {b}?", "completion": f" {a + b}"}
 
 
-class RSSSampler(TrainerCallback):
-    def __init__(self, every: int, rows_per_step: int):
-        self.every, self.rows_per_step, self.samples, self.process = every, rows_per_step, [], psutil.Process()
-        self.peak = 0.0
-
-    def on_step_end(self, args, state, control, **kwargs):
-        rss = self.process.memory_info().rss / 2**20
-        self.peak = max(self.peak, rss)
-        if state.global_step % self.every == 0:
-            self.samples.append((state.global_step * self.rows_per_step, rss))
-
-
 def run(rows: int, steps: int, ga: int = 4) -> dict:
     import datasets
 
@@ -51,7 +41,7 @@ def run(rows: int, steps: int, ga: int = 4) -> dict:
     source = IterableDataset.from_generator(arithmetic_rows, gen_kwargs={"n": rows})
     stream = build_sft_dataset(source, tokenizer, max_length=32)
     batch = -(-rows // (steps * ga))  # every row is read in `steps` steps
-    sampler = RSSSampler(max(steps // 10, 1), batch * ga)
+    sampler = RSSSampler(max(steps // 10, 1), scale=batch * ga)
     with tempfile.TemporaryDirectory() as tmp:
         args = TokenWeightedArguments(
             output_dir=tmp,
