@@ -51,13 +51,6 @@ STATE_KEY = "_stream_state"  # the key of a micro-batch that holds the stream's 
 STATE_FILE = "stream_state_rank{rank}.json"
 
 
-def is_iterable_dataset(dataset: Any) -> bool:
-    """Whether ``dataset`` is a stream: a ``datasets.IterableDataset`` or hfacc's tokenized one."""
-    import datasets
-
-    return isinstance(dataset, datasets.IterableDataset | SFTStream)
-
-
 def build_sft_stream(
     source,
     tokenizer,
