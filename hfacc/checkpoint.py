@@ -103,10 +103,15 @@ __all__ = [
 ]
 
 
+def get_checkpoint_dir(run_dir: str, step: int) -> str:
+    """The folder the Trainer saves the checkpoint of optimizer step ``step`` in."""
+    return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+
+
 def complete_checkpoint(run_dir: str, state, save_total_limit: int | None) -> None:
     """Mark the checkpoint of ``state.global_step`` complete, then rotate old ones (never before: a crash
     mid-save must not cost the last good checkpoint)."""
-    mark_checkpoint_complete(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+    mark_checkpoint_complete(get_checkpoint_dir(run_dir, state.global_step))
     rotate_checkpoints(
         output_dir=run_dir,
         save_total_limit=save_total_limit,

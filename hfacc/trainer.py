@@ -29,7 +29,7 @@ from transformers import Trainer
 from .arguments import TokenWeightedArguments, as_token_weighted_arguments, validate_settings
 from .audit import AccumulationAuditCallback
 from .batching import build_token_budget_loader, is_packed, require_packing_support
-from .checkpoint import complete_checkpoint, resolve_checkpoint
+from .checkpoint import complete_checkpoint, get_checkpoint_dir, resolve_checkpoint
 from .collator import warn_about_padding_labels
 from .distributed import (
     check_data_parallel,
@@ -323,7 +323,7 @@ class TokenWeightedTrainer(Trainer):
         finally:
             self.args.save_total_limit = limit
         if self._stream_batches is not None:  # each rank's own position in the stream, before the marker lists files
-            checkpoint = f"{self._get_output_dir(trial=trial)}/checkpoint-{self.state.global_step}"
+            checkpoint = get_checkpoint_dir(self._get_output_dir(trial=trial), self.state.global_step)
             save_stream_state(self._stream_batches, self._stream_position, checkpoint)
         # Every rank writes files of its own (its RNG state; shards under FSDP/DeepSpeed): the marker, which lists
         # the checkpoint's files, must wait until all of them are written.
