@@ -15,7 +15,7 @@ import torch
 from transformers import TrainingArguments
 
 from .loss import NORMALIZATIONS
-from .objective_choice import OBJECTIVES
+from .objectives import OBJECTIVES
 
 
 @dataclass

@@ -17,7 +17,7 @@ takes no ``position_ids`` or reads positions differently falls back to the padde
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -27,12 +27,14 @@ from .batching import best_fit_decreasing, position_ids_problem
 from .distributed import all_ranks_agree
 from .loss import IGNORE_INDEX
 from .model_io import get_base_model, get_logits
-from .objective import CausalLMObjective, Objective
+from .objectives import Objective
 
 logger = logging.getLogger(__name__)
 
 
-def remove_padding(batch: Mapping[str, Any], one_row: bool = True) -> dict[str, Any] | None:
+def remove_padding(
+    batch: Mapping[str, Any], one_row: bool = True, keep: Collection[str] = ()
+) -> dict[str, Any] | None:
     """The real tokens of a padded batch laid end to end; None when the batch cannot be laid out so.
 
     ``attention_mask`` ``[B, T]`` (right or left padding) says which positions are real. With ``one_row`` every
@@ -51,7 +53,9 @@ def remove_padding(batch: Mapping[str, Any], one_row: bool = True) -> dict[str, 
     None (keep the padded batch) when there is no 2-D ``attention_mask``, a row's real tokens are not one run
     (holes in the mask) or a row is empty, the batch has its own ``position_ids`` that do not count from each
     sequence's first token (left padding with absolute positions, 3-D rotary positions), or a tensor is not laid out
-    per token (images, per-example values).
+    per token (images, per-example values) — except the per-row entries named in ``keep`` (an objective's
+    ``row_keys``: advantages, reference log-probs), which are kept as they are, still indexed by original row
+    (``sequence_ids``).
 
     >>> batch = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
     ...          "labels": torch.tensor([[5, 6, 7], [8, 9, -100]])}
@@ -104,8 +108,8 @@ def remove_padding(batch: Mapping[str, Any], one_row: bool = True) -> dict[str, 
     for key, value in batch.items():
         if key in ("attention_mask", "position_ids") or value is None:
             continue
-        if not torch.is_tensor(value):
-            out[key] = value  # flags such as return_loss
+        if not torch.is_tensor(value) or key in keep:
+            out[key] = value  # flags such as return_loss; per-row values the objective reads by sequence_ids
         elif value.dim() >= 2 and tuple(value.shape[:2]) == shape:
             laid = value.flatten(0, 1).index_select(0, gather)
             fill = IGNORE_INDEX if key in ("labels", "shift_labels") else 0
@@ -132,8 +136,8 @@ def padding_free_problem(model: nn.Module, objective: Objective) -> str | None:
     """Why padding-free micro-batches do not apply to ``model``, judged without running it; None if they may."""
     base = get_base_model(model)
     config = getattr(base, "config", None)
-    if not isinstance(objective, CausalLMObjective):
-        return f"the objective is {objective.name!r}; padding-free applies to causal LMs"
+    if not objective.supports_padding_free:
+        return f"the objective {objective.name!r} does not support padding-free micro-batches (causal LMs do)"
     if getattr(config, "is_encoder_decoder", False):
         return f"{type(base).__name__} is an encoder-decoder"
     if getattr(objective, "num_virtual_tokens", 0):
@@ -224,7 +228,7 @@ def choose_padding_free(
             "hfacc: padding-free micro-batches (%s): checked, logits match the padded run.",
             "one row" if one_row else "packed in rows as wide as the longest sequence",
         )
-    elif isinstance(objective, CausalLMObjective):
+    elif objective.supports_padding_free:
         logger.warning(
             "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
             problem or "another rank could not go padding-free",
