@@ -196,8 +196,13 @@ def normalize_messages(value: Any, index: Any, field: str, need_assistant: bool)
     messages = []
     for j, m in enumerate(value):
         where = f"row {index}, field '{field}', message {j}"
-        if not isinstance(m, Mapping) or "role" not in m:
+        if not isinstance(m, Mapping):
             raise DataError(f"{where}: expected a dict with 'role' and 'content', got {m!r:.80}.")
+        if m.get("role") is None:  # missing, or None: Arrow fills the field a message lacks with None
+            raise DataError(
+                f"{where}: the message has no 'role' (got {dict(m)!r:.80}). Give every message a role, one of "
+                f"{list(ROLES)}."
+            )
         m = _drop_none(m)
         if m["role"] not in ROLES:
             raise DataError(f"{where}: unknown role {m['role']!r}; use one of {list(ROLES)}.")
