@@ -520,6 +520,8 @@ def _own_end(renderer: ChatRenderer, messages, k, tools, full: Rendering) -> int
         if segment is None:
             continue
         own = alone.text[segment[0] : segment[1]]
+        if own == full.text[start:end]:
+            return end  # the same text without them: theirs is not in it (the content matched by chance)
         cut = start + _common_prefix(full.text[start:end], own, renderer.specials)
         if any(c in full.text[cut:end] for c in contents):
             return cut

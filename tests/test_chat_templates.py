@@ -269,3 +269,19 @@ PLAIN_SINGLE_TURN = [
     {"role": "user", "content": "Is 7 prime? Answer Yes or No."},
     {"role": "assistant", "content": "Yes"},
 ]
+
+
+def test_a_tool_result_the_template_drops_is_not_cut_from_the_answer():
+    """Metharme writes nothing for a tool message; its content also in the answer before it is the answer's own
+    text, trained in full (the cut applies only where a silent message's text is really in the turn)."""
+    call = {"id": "x", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Let me check: 22 C", "tool_calls": [call]},
+        {"role": "tool", "content": "22 C"},
+        {"role": "assistant", "content": "It is 22 C."},
+    ]
+    tokenizer = tokenizer_for("metharme")
+    ids, labels, _, _ = encode_row(tokenizer, {"messages": messages}, 0, "messages")
+    trained = tokenizer.decode([t for t, y in zip(ids, labels, strict=True) if y != -100])
+    assert trained.startswith("Let me check: 22 C<|model|>") and trained.endswith("It is 22 C.</s>")
