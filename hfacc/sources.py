@@ -35,6 +35,7 @@ def load_sft_source(
     split: str = "train",
     eval_split: str | None = None,
     eval_fraction: float = 0.05,
+    hold_out: bool = True,
     max_examples: int | None = None,
     seed: int = 0,
     num_embedded: int = 4000,
@@ -43,7 +44,8 @@ def load_sft_source(
 
     ``name_or_path`` is a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file, a directory written by
     ``Dataset.save_to_disk``, a hub dataset name, or ``None`` for the embedded instruction dataset. Without an
-    ``eval_split``, a seeded ``eval_fraction`` of the examples is held out (0: none, the rows stay in order).
+    ``eval_split``, a seeded ``eval_fraction`` of the examples is held out; ``hold_out=False`` holds out none and
+    keeps the rows in order (the eval dataset is empty).
     """
     import datasets
 
@@ -81,8 +83,8 @@ def load_sft_source(
     data = data.add_column(SOURCE_ROW, list(range(len(data))))
     if held_out is not None:
         held_out = held_out.add_column(SOURCE_ROW, list(range(len(held_out))))
-    if held_out is None and eval_fraction == 0:
-        held_out = data.select([])  # nothing held out: every row in its order (hfacc show-mask)
+    if held_out is None and not hold_out:
+        held_out = data.select([])  # every row, in its order (hfacc show-mask)
     if held_out is None:
         if not 0 < eval_fraction < 1:
             raise DataError(
