@@ -25,6 +25,7 @@ import datasets
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer_utils import has_length
 
 from .arguments import TokenWeightedArguments, as_token_weighted_arguments, validate_settings
 from .audit import AccumulationAuditCallback
@@ -33,8 +34,13 @@ from .checkpoint import complete_checkpoint, get_checkpoint_dir, resolve_checkpo
 from .collator import warn_about_padding_labels
 from .distributed import (
     check_data_parallel,
+    count_real_rows,
+    forward_set_epoch,
+    get_epoch_cursor,
+    get_epoch_layout,
     get_gradient_scale,
     mark_for_deepspeed_skip,
+    num_rows,
     trim_repeated_examples,
     undo_evaluation_preparation,
 )
@@ -88,6 +94,8 @@ class TokenWeightedTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     args: TokenWeightedArguments
+    _epoch_layout = _epoch_cursor = None  # where accelerate repeats examples in each epoch (hfacc/distributed.py)
+    _data_skipped = False  # whether this train() call resumes mid-epoch by skipping micro-batches
 
     def __init__(self, model=None, args=None, *rest, objective: Objective | str | None = None, **kwargs):
         args = as_token_weighted_arguments(args)
@@ -132,7 +140,15 @@ class TokenWeightedTrainer(Trainer):
             )
             return loader
         if not budget:
-            return super().get_train_dataloader()
+            loader = super().get_train_dataloader()
+            if has_length(self.train_dataset):  # where accelerate's repeats are, from the sizes alone
+                self._epoch_layout = get_epoch_layout(
+                    self.accelerator,
+                    num_examples=len(self.train_dataset),
+                    batch_size=self._train_batch_size,
+                    drop_last=self.args.dataloader_drop_last,
+                )
+            return loader
         dataset, collator = self.train_dataset, self.data_collator
         if isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description="training")
@@ -141,7 +157,10 @@ class TokenWeightedTrainer(Trainer):
         if not hasattr(dataset, "__getitem__") or "input_ids" not in dataset[0]:
             raise ValueError("max_tokens_per_batch needs a map-style dataset whose examples have 'input_ids'.")
         loader = build_token_budget_loader(dataset, collator, self.args)
-        return self.accelerator.prepare(loader)
+        self._epoch_layout = get_epoch_layout(self.accelerator, num_batches=len(loader.batch_sampler))
+        prepared = self.accelerator.prepare(loader)
+        forward_set_epoch(prepared, loader.batch_sampler)
+        return prepared
 
     # ---- counting: once per window --------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
@@ -151,8 +170,24 @@ class TokenWeightedTrainer(Trainer):
             self._stream_position = take_stream_position(batch_samples) or self._stream_position
         else:
             batch_samples = list(islice(epoch_iterator, num_batches))
-        repeated, cut = trim_repeated_examples(self.accelerator, batch_samples, warn=not self._repeats_said)
-        self._repeats_said |= cut > 0
+        repeated = set()
+        if batch_samples and self.accelerator.num_processes > 1 and self._stream_batches is None:
+            if self._epoch_cursor is None:  # the first window of this train() call
+                loader, step = self.callback_handler.train_dataloader, self.state.global_step
+                accumulation = self.args.gradient_accumulation_steps
+                cursor = get_epoch_cursor(self._epoch_layout, loader, step, accumulation, self._data_skipped)
+                self._epoch_cursor = cursor or False
+            if self._epoch_cursor:
+                real = self._epoch_cursor.real_rows(epoch_iterator, batch_samples)
+            else:  # a loader hfacc did not build: what accelerate's loader says of itself
+                real = count_real_rows(self.accelerator, num_rows(batch_samples[-1]))
+            rank = self.accelerator.process_index
+            repeated, cut = trim_repeated_examples(batch_samples, real, rank, warn=not self._repeats_said)
+            self._repeats_said |= cut > 0
+        if batch_samples:
+            # Chosen on every rank at the same window (its checks are collectives), even on a rank whose only
+            # micro-batch repeats examples and is counted without it.
+            self.get_objective(batch_samples[0])
         if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
             self._packing_checked = True
             require_packing_support(self.model, self._prepare_inputs(batch_samples[0]))
@@ -300,13 +335,14 @@ class TokenWeightedTrainer(Trainer):
         streaming = isinstance(self.train_dataset, SFTStream)
         self._stream_resume = resume_from_checkpoint if streaming else None
         skip = self.args.ignore_data_skip
+        self._epoch_cursor, self._data_skipped = None, resume_from_checkpoint is not None and not skip
         # A stream resumes from the position saved in the checkpoint, not by reading and dropping every micro-batch
         # trained before (the Trainer's skip_first_batches).
         self.args.ignore_data_skip = skip or (streaming and resume_from_checkpoint is not None)
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            self.args.ignore_data_skip, self._stream_resume = skip, None
+            self.args.ignore_data_skip, self._stream_resume, self._epoch_cursor = skip, None, None
         # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
         return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
 
