@@ -87,6 +87,13 @@ class TokenWeightedArguments(TrainingArguments):
         default=10,
         metadata={"help": "Stop with an error after this many skipped non-finite steps (0: never stop)."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh in an output_dir that holds another run's checkpoints: they are deleted first. "
+            "Without it such a run is refused (it would mix with them: resuming could continue theirs)."
+        },
+    )
     audit_every_n_steps: int = field(
         default=0,
         metadata={

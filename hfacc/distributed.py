@@ -92,6 +92,15 @@ def num_rows(batch: Mapping[str, Any]) -> int:
     return next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
+def gather_objects(obj: Any, accelerator) -> list[Any]:
+    """``obj`` of every rank, in rank order (one collective on several processes; ``[obj]`` on one)."""
+    if accelerator.num_processes == 1:
+        return [obj]
+    from accelerate.utils import gather_object
+
+    return gather_object([obj])
+
+
 def mark_for_deepspeed_skip(loss: torch.Tensor, skip_if_nonfinite: bool, skip: bool = False) -> torch.Tensor:
     """``loss``, made to give NaN gradients when its window's step must be skipped, for DeepSpeed to skip it.
 

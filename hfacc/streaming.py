@@ -322,6 +322,11 @@ def load_stream_state(batches: StreamBatches, checkpoint: str | Path) -> bool:
     return True
 
 
+def holds_stream_state(checkpoint: str | Path) -> bool:
+    """Whether ``checkpoint`` was saved by a streaming run (it holds a position in the stream)."""
+    return any(Path(checkpoint).glob(STATE_FILE.format(rank="*")))
+
+
 def check_stream_training(args) -> None:
     """A stream has no length: training needs ``max_steps`` (the Trainer would stop with a less helpful error)."""
     if args is not None and args.max_steps <= 0:

@@ -30,12 +30,26 @@ from transformers.trainer_utils import has_length
 from .arguments import TokenWeightedArguments, as_token_weighted_arguments, validate_settings
 from .audit import AccumulationAuditCallback
 from .batching import build_token_budget_loader, is_packed, require_packing_support
-from .checkpoint import complete_checkpoint, get_checkpoint_dir, resolve_checkpoint
+from .checkpoint import (
+    complete_checkpoint,
+    describe_save_failure,
+    get_checkpoint_dir,
+    get_checkpoint_step,
+    get_run_settings,
+    hashing_writes,
+    prepare_run,
+    read_marker,
+    relative_digests,
+    unmark_checkpoint,
+)
 from .collator import warn_about_padding_labels
+from .config import ConfigError
 from .distributed import (
+    all_ranks_agree,
     check_data_parallel,
     count_real_rows,
     forward_set_epoch,
+    gather_objects,
     get_epoch_cursor,
     get_epoch_layout,
     get_gradient_scale,
@@ -60,6 +74,7 @@ from .streaming import (
     SFTStream,
     build_stream_loader,
     check_stream_training,
+    holds_stream_state,
     read_stream_window,
     save_stream_state,
     take_stream_position,
@@ -96,6 +111,9 @@ class TokenWeightedTrainer(Trainer):
     args: TokenWeightedArguments
     _epoch_layout = _epoch_cursor = None  # where accelerate repeats examples in each epoch (hfacc/distributed.py)
     _data_skipped = False  # whether this train() call resumes mid-epoch by skipping micro-batches
+    _nothing_to_train = False  # a finished run was resumed: no step, no save
+    _resumed_counters: dict | None = None  # the step gate's counts saved in the checkpoint resumed from
+    _run_settings: dict | None = None  # what identifies this run in its checkpoints (hfacc/checkpoint.py)
 
     def __init__(self, model=None, args=None, *rest, objective: Objective | str | None = None, **kwargs):
         args = as_token_weighted_arguments(args)
@@ -165,6 +183,15 @@ class TokenWeightedTrainer(Trainer):
     # ---- counting: once per window --------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
         """Draw the window's micro-batches and open its :class:`~hfacc.window.Window` (one collective)."""
+        if self._resumed_counters:  # after the step gate reset them at the start of training
+            self.meter.skipped_steps = self._resumed_counters.get("skipped_steps", 0)
+            self.meter.empty_windows = self._resumed_counters.get("empty_windows", 0)
+            self._resumed_counters = None
+        if self.state.global_step >= self.state.max_steps:
+            # Only a resumed, finished run gets here (the Trainer stops at max_steps otherwise); stock Trainer would
+            # train one more step on every such resume.
+            self._nothing_to_train = self.control.should_training_stop = True
+            return [], None
         if self._stream_batches is not None:  # a bad row stops every rank; the window ends at a stream position
             batch_samples = read_stream_window(epoch_iterator, num_batches, self.accelerator)
             self._stream_position = take_stream_position(batch_samples) or self._stream_position
@@ -329,11 +356,25 @@ class TokenWeightedTrainer(Trainer):
         return output
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """``Trainer.train``; ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint."""
-        resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
-        undo_evaluation_preparation(self.accelerator, self.model, self.model_wrapped)
+        """``Trainer.train``, after hfacc's checks of the checkpoint and the output directory (before training).
+
+        ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint of this run (same
+        settings, :func:`hfacc.checkpoint.get_run_settings`); a new run into a directory holding another run's
+        checkpoints is refused (``overwrite_output_dir`` deletes them). Resuming a finished run trains nothing.
+        """
         streaming = isinstance(self.train_dataset, SFTStream)
+        self._run_settings = get_run_settings(self.args, streaming)
+        resume_from_checkpoint = prepare_run(self.args, self._run_settings, resume_from_checkpoint, self.model)
+        if resume_from_checkpoint is not None and not streaming and holds_stream_state(resume_from_checkpoint):
+            raise ConfigError(
+                f"Cannot resume from {resume_from_checkpoint}: it was saved by a streaming run (it holds the "
+                "stream's position); resume it with --streaming true and the same data, or start afresh."
+            )
+        undo_evaluation_preparation(self.accelerator, self.model, self.model_wrapped)
         self._stream_resume = resume_from_checkpoint if streaming else None
+        marker = read_marker(resume_from_checkpoint) if resume_from_checkpoint else None
+        self._resumed_counters = (marker or {}).get("hfacc")  # the step gate's counts go on from the checkpoint's
+        self._nothing_to_train = False
         skip = self.args.ignore_data_skip
         self._epoch_cursor, self._data_skipped = None, resume_from_checkpoint is not None and not skip
         # A stream resumes from the position saved in the checkpoint, not by reading and dropping every micro-batch
@@ -343,29 +384,57 @@ class TokenWeightedTrainer(Trainer):
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.args.ignore_data_skip, self._stream_resume, self._epoch_cursor = skip, None, None
+        if resume_from_checkpoint is not None and self.state.global_step == get_checkpoint_step(
+            resume_from_checkpoint
+        ):
+            logger.warning(
+                "hfacc: %s is at step %d of %d: the run is finished, nothing was trained. Raise max_steps (or "
+                "num_train_epochs) to train on from it.",
+                resume_from_checkpoint,
+                self.state.global_step,
+                self.state.max_steps,
+            )
         # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
-        return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
+        return output._replace(training_loss=output.metrics.get("train_loss", float("nan")))
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The stock checkpoint, then a completion marker, then rotation: a crash mid-save never costs the last good one.
+        """The stock checkpoint hashed as it is written, then a completion marker, then rotation: a crash mid-save
+        never costs the last good checkpoint, and never makes the incomplete one look complete.
 
         Stock Trainer rotates old checkpoints inside the save; with ``save_total_limit=1`` a crash right after could
         leave only a half-written checkpoint. Here rotation waits until the new checkpoint is marked complete.
         """
-        limit = self.args.save_total_limit
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint = get_checkpoint_dir(run_dir, self.state.global_step)
+        if self._nothing_to_train:  # a finished run resumed: the checkpoint it resumed from is this one
+            return
+        if self.args.should_save:  # written again (a run restarted in its directory): incomplete until marked anew
+            unmark_checkpoint(checkpoint)
+        limit, failure = self.args.save_total_limit, None
         self.args.save_total_limit = None
         try:
-            super()._save_checkpoint(model, trial)
+            with hashing_writes() as digests:
+                super()._save_checkpoint(model, trial)
+                if self._stream_batches is not None:  # each rank's own position in the stream
+                    save_stream_state(self._stream_batches, self._stream_position, checkpoint)
+        except Exception as err:  # noqa: BLE001 (said below, on every rank, before any rank waits for another)
+            failure = err
         finally:
             self.args.save_total_limit = limit
-        if self._stream_batches is not None:  # each rank's own position in the stream, before the marker lists files
-            checkpoint = get_checkpoint_dir(self._get_output_dir(trial=trial), self.state.global_step)
-            save_stream_state(self._stream_batches, self._stream_position, checkpoint)
         # Every rank writes files of its own (its RNG state; shards under FSDP/DeepSpeed): the marker, which lists
-        # the checkpoint's files, must wait until all of them are written.
-        self.accelerator.wait_for_everyone()
+        # them with their hashes, waits until all ranks have written theirs, and is never written if one failed.
+        if not all_ranks_agree(failure is None, self.accelerator):
+            raise describe_save_failure(failure, checkpoint) from failure
+        digests = gather_objects(relative_digests(digests, checkpoint), self.accelerator)
         if self.args.should_save:
-            complete_checkpoint(self._get_output_dir(trial=trial), self.state, limit)
+            counters = {"skipped_steps": self.meter.skipped_steps, "empty_windows": self.meter.empty_windows}
+            try:
+                complete_checkpoint(
+                    run_dir, self.state, limit, {k: v for d in digests for k, v in d.items()},
+                    run=self._run_settings, hfacc=counters,
+                )  # fmt: skip
+            except OSError as err:
+                raise describe_save_failure(err, checkpoint) from err
 
     def _has_accuracy(self) -> bool:
         return self.objective is not None and self.objective.has_accuracy

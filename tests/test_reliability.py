@@ -13,7 +13,7 @@ from datasets import Dataset
 from torch import nn
 
 from hfacc import DataCollatorForCausalLM, NonFiniteLossError, TokenWeightedArguments, TokenWeightedTrainer
-from hfacc.checkpoint import MARKER, resolve_checkpoint
+from hfacc.checkpoint import MARKER, RUN_RECORD, resolve_checkpoint
 from hfacc.config import ConfigError
 from hfacc.data import DataError, build_sft_dataset, load_sft_source
 from hfacc.embedded import build_bpe_tokenizer, build_default_tokenizer
@@ -362,7 +362,10 @@ def test_a_malicious_pickle_in_a_checkpoint_is_not_executed(tmp_path):
     train_resumable(tmp_path, examples, num_train_epochs=1, save_steps=1, max_steps=1)
     checkpoint = tmp_path / "checkpoint-1"
     (checkpoint / "rng_state.pth").write_bytes(pickle.dumps(_Payload()))
-    (checkpoint / MARKER).unlink()  # so that only the pickle stands between the attacker and the resume
+    # A stock Trainer's checkpoint (no marker, in a folder no hfacc run wrote into): only the unpickler stands between
+    # the attacker and the resume (with the marker, the changed file is refused before it is read).
+    (checkpoint / MARKER).unlink()
+    (tmp_path / RUN_RECORD).unlink()
     Path("/tmp/hfacc-pwned").unlink(missing_ok=True)
     with pytest.raises(Exception, match="[Ww]eights only|Unsupported global|UnpicklingError"):
         train_resumable(tmp_path, examples, num_train_epochs=1, save_steps=1, max_steps=2, resume=str(checkpoint))
