@@ -134,6 +134,8 @@ def validate_settings(args: TokenWeightedArguments) -> None:
         raise ValueError("audit_tolerance must be >= 0 (0 derives it from the training precision).")
     if args.max_skipped_steps < 0:
         raise ValueError("max_skipped_steps must be >= 0 (0 never stops training).")
+    if args.learning_rate < 0:
+        raise ValueError(f"learning_rate={args.learning_rate}: it must be >= 0.")
     if args.gradient_accumulation_steps < 1:
         raise ValueError(
             f"gradient_accumulation_steps={args.gradient_accumulation_steps}: it must be >= 1 (1 = no accumulation)."

@@ -45,11 +45,10 @@ class LossMeter:
     def interval_logs(self, accelerator, with_accuracy: bool) -> dict[str, float]:
         loss_sum, correct = reduce_sum(self.interval, accelerator).tolist()
         now = time.perf_counter()
-        logs = {
-            "loss": loss_sum / self.interval_targets if self.interval_targets else float("nan"),
-            "num_targets": self.interval_targets,
-            "target_tokens_per_second": round(self.interval_targets / max(now - self.interval_start, 1e-9), 2),
-        }
+        # No loss when no window of the interval reached the weights (every step skipped): not a NaN to plot.
+        logs = {"loss": loss_sum / self.interval_targets} if self.interval_targets else {}
+        logs["num_targets"] = self.interval_targets
+        logs["target_tokens_per_second"] = round(self.interval_targets / max(now - self.interval_start, 1e-9), 2)
         if with_accuracy and self.interval_targets:
             logs["token_accuracy"] = correct / self.interval_targets
         if self.skipped_steps:
@@ -61,7 +60,7 @@ class LossMeter:
 
     def run_logs(self, accelerator, with_accuracy: bool) -> dict[str, float]:
         loss_sum, correct = reduce_sum(self.run, accelerator).tolist()
-        logs = {"train_loss": loss_sum / self.run_targets if self.run_targets else float("nan")}
+        logs = {"train_loss": loss_sum / self.run_targets} if self.run_targets else {}
         logs["train_num_targets"] = self.run_targets
         if with_accuracy and self.run_targets:
             logs["train_token_accuracy"] = correct / self.run_targets

@@ -323,9 +323,12 @@ class TokenWeightedTrainer(Trainer):
     # ---- what gets logged -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Replace the Trainer's mean of micro-batch means by the exact token-weighted values."""
+        # The meter leaves the loss out when no window reached the weights (all skipped, or nothing trained).
         if "loss" in logs:
+            del logs["loss"]
             logs.update(self.meter.interval_logs(self.accelerator, self._has_accuracy()))
         if "train_loss" in logs:
+            del logs["train_loss"]
             logs.update(self.meter.run_logs(self.accelerator, self._has_accuracy()))
         super().log(logs, start_time)
 
