@@ -6,12 +6,9 @@ temporary file and an atomic rename: every file with its size and a sha256 of it
 that saved it, and hfacc's own counters. A checkpoint counts as complete only when that marker says so and every
 file still matches it.
 
-The hashes are computed while the files are written, not by reading them back: during hfacc's save, ``torch.save``
-(optimizer, scheduler, RNG states, DeepSpeed's shards) writes through a file object that hashes what passes, and
-after each safetensors file is written its tensors are hashed from memory, in the file's own order behind its
-header (only the header, a few KB, is read back). What neither writes (JSON, tokenizer files) is small and hashed
-from disk; a large file written by other code (FSDP's distributed checkpoint) is recorded by size only. The cost is
-one sha256 pass over the checkpoint's bytes (about 1 GB/s on a CPU core); resuming reads every file once to check it.
+The hashes are taken while the files are written (:mod:`hfacc.hashing`), not by reading them back; what no hashing
+writer saw is small and hashed from disk, or, past 16 MiB (FSDP's distributed checkpoint), recorded by size only.
+Resuming reads every file once to check it.
 
 An output directory that an hfacc run wrote into holds ``hfacc_run.json``; there a checkpoint without a marker is
 one that was cut short, never a stock Trainer checkpoint.
@@ -22,20 +19,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .config import ConfigError
+from .hashing import hash_file
 
 logger = logging.getLogger(__name__)
 
@@ -98,105 +94,6 @@ def read_marker(checkpoint: str | Path) -> dict[str, Any] | None:
     return marker
 
 
-# ---- hashing what is written ------------------------------------------------------------------------------------
-class _HashingFile:
-    """A binary file that hashes the bytes written through it (``torch.save`` writes a file object by ``write``)."""
-
-    def __init__(self, raw):
-        self.raw, self.sha = raw, hashlib.sha256()
-
-    def write(self, data) -> int:
-        self.sha.update(data)
-        return self.raw.write(data)
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-
-def _hash_safetensors(tensors: Mapping[str, Any], filename: str) -> str | None:
-    """sha256 of the safetensors file just written from ``tensors``: its header (read back, a few KB), then each
-    tensor's bytes from memory in the order of their offsets. The format stores exactly that, without gaps; a file
-    of another size than that sum is hashed from disk instead (None here)."""
-    import torch
-
-    with open(filename, "rb") as f:
-        head = f.read(8)
-        header_bytes = f.read(int.from_bytes(head, "little"))
-    header = json.loads(header_bytes)
-    order = sorted((entry["data_offsets"], name) for name, entry in header.items() if name != "__metadata__")
-    if 8 + len(header_bytes) + (order[-1][0][1] if order else 0) != os.path.getsize(filename):
-        return None
-    sha = hashlib.sha256(head + header_bytes)
-    for _, name in order:
-        tensor = tensors[name].detach().cpu().contiguous().reshape(-1)
-        sha.update(tensor.view(torch.uint8).numpy())
-    return sha.hexdigest()
-
-
-# Where the Trainer, transformers and PEFT reach safetensors' writer (each imported the function by its own name).
-_SAFETENSORS_WRITERS = (
-    ("safetensors.torch", "save_file"),
-    ("transformers.modeling_utils", "safe_save_file"),
-    ("peft.peft_model", "safe_save_file"),
-)
-
-
-@contextlib.contextmanager
-def hashing_writes() -> Iterator[dict[str, str]]:
-    """Inside the block, every file ``torch.save`` or safetensors writes gets a sha256 computed as it is written.
-
-    Yields ``{absolute path: sha256}``, filled as files are written. The functions are swapped back on exit.
-    """
-    import torch
-
-    digests: dict[str, str] = {}
-    torch_save = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        if not isinstance(f, (str, os.PathLike)):
-            return torch_save(obj, f, *args, **kwargs)
-        with open(f, "wb") as raw:
-            out = _HashingFile(raw)
-            torch_save(obj, out, *args, **kwargs)
-        digests[os.path.abspath(f)] = out.sha.hexdigest()
-
-    swapped = [(torch, "save", torch_save)]
-    for module_name, attribute in _SAFETENSORS_WRITERS:
-        module = sys.modules.get(module_name)
-        original = getattr(module, attribute, None)
-        if original is None:
-            continue
-
-        def save_file(tensors, filename, metadata=None, _original=original):
-            _original(tensors, filename, metadata=metadata)
-            digest = _hash_safetensors(tensors, str(filename))
-            if digest is not None:
-                digests[os.path.abspath(filename)] = digest
-
-        swapped.append((module, attribute, original))
-        setattr(module, attribute, save_file)
-    torch.save = save
-    try:
-        yield digests
-    finally:
-        for module, attribute, original in swapped:
-            setattr(module, attribute, original)
-
-
-def _hash_file(path: Path) -> str:
-    sha = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(2**22), b""):
-            sha.update(block)
-    return sha.hexdigest()
-
-
-def relative_digests(digests: Mapping[str, str], checkpoint: str | Path) -> dict[str, str]:
-    """``digests`` of the files inside ``checkpoint``, keyed by their path in it (as every rank can name them)."""
-    root = os.path.abspath(checkpoint)
-    return {os.path.relpath(p, root): d for p, d in digests.items() if p.startswith(root + os.sep)}
-
-
 # ---- the marker ---------------------------------------------------------------------------------------------------
 def mark_checkpoint_complete(checkpoint: str | Path, digests: Mapping[str, str] | None = None, **record: Any) -> Path:
     """Record every file of ``checkpoint`` with its size and sha256, atomically (temp file + ``os.replace``).
@@ -214,7 +111,7 @@ def mark_checkpoint_complete(checkpoint: str | Path, digests: Mapping[str, str] 
         name, size = str(path.relative_to(checkpoint)), path.stat().st_size
         digest = digests.get(name)
         if digest is None and size <= SMALL_FILE:
-            digest = _hash_file(path)
+            digest = hash_file(path)
         files[name] = {"bytes": size, "sha256": digest}
     tmp = checkpoint / f"{MARKER}.tmp"
     with open(tmp, "w") as f:
@@ -268,7 +165,7 @@ def checkpoint_problem(checkpoint: str | Path, stock_ok: bool = True) -> str | N
             return f"{name} is missing"
         if path.stat().st_size != size:
             return f"{name} has {path.stat().st_size} bytes, {size} were written"
-        if digest is not None and _hash_file(path) != digest:
+        if digest is not None and hash_file(path) != digest:
             return f"{name} is not what was written (its sha256 differs): it was changed or damaged after the save"
     _verified[str(checkpoint.resolve())] = states
     return None
@@ -626,7 +523,6 @@ __all__ = [
     "complete_checkpoint",
     "get_last_complete_checkpoint",
     "get_run_settings",
-    "hashing_writes",
     "mark_checkpoint_complete",
     "prepare_run",
     "resolve_checkpoint",

@@ -36,10 +36,8 @@ from .checkpoint import (
     get_checkpoint_dir,
     get_checkpoint_step,
     get_run_settings,
-    hashing_writes,
     prepare_run,
     read_marker,
-    relative_digests,
     unmark_checkpoint,
 )
 from .collator import warn_about_padding_labels
@@ -59,6 +57,7 @@ from .distributed import (
     undo_evaluation_preparation,
 )
 from .function_objective import LossFunctionObjective
+from .hashing import hashing_writes, relative_digests
 from .loss import LossSums
 from .loss_path import choose_loss_path
 from .meter import LossMeter
