@@ -48,9 +48,9 @@ class RepeatCounter(logging.Handler):
 CASES = {
     # 13 rows, 2 x 2 per rank: 7 micro-batches of the sampler, 4 per rank; the last global batch holds 1 real row.
     "map": dict(rows=13, settings=dict(num_train_epochs=2)),
-    # token budget: micro-batches of varying size, an odd number of them (whole micro-batches repeated on rank 1)
-    "budget": dict(rows=15, settings=dict(num_train_epochs=2, max_tokens_per_batch=90)),
-    "stream": dict(rows=21, stream=True, settings=dict(max_steps=5)),
+    # token budget: 7 micro-batches of varying size per epoch, 4 per rank (rank 1's last one a repeat)
+    "budget": dict(rows=11, settings=dict(num_train_epochs=2, max_tokens_per_batch=90)),
+    "stream": dict(rows=21, stream=True, settings=dict(max_steps=4)),
 }
 
 

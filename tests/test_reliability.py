@@ -15,6 +15,7 @@ from torch import nn
 from hfacc import DataCollatorForCausalLM, NonFiniteLossError, TokenWeightedArguments, TokenWeightedTrainer
 from hfacc.checkpoint import MARKER, RUN_RECORD, resolve_checkpoint
 from hfacc.config import ConfigError
+from hfacc.console import format_train_log
 from hfacc.data import DataError, build_sft_dataset, load_sft_source
 from hfacc.embedded import build_bpe_tokenizer, build_default_tokenizer, build_tiny_llama
 from hfacc.modeling import get_tokenizer, load_causal_lm
@@ -199,6 +200,10 @@ def test_a_nan_window_is_skipped_and_named(tmp_path, caplog):
     assert "step 2 skipped: non-finite loss in micro-batch(es) [1] of 2 on rank 0" in caplog.text
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert trainer.state.log_history[-1]["train_skipped_steps"] == 1
+    # The interval of the skipped step logs no loss (it logged `loss nan`), and the console says why.
+    skipped = next(h for h in trainer.state.log_history if h.get("step") == 2 and "num_targets" in h)
+    assert "loss" not in skipped and skipped["skipped_steps"] == 1
+    assert format_train_log(skipped).startswith("no step applied") and "skipped steps 1" in format_train_log(skipped)
     # The skipped window left no trace: same weights as training on the two clean windows only.
     torch.manual_seed(0)
     clean = PoisonableLM()
@@ -462,6 +467,10 @@ MISTAKES = {
     "streamed .jsonl with a broken line": (
         ["--dataset_name", "{broken.jsonl}", *STREAM],
         "broken.jsonl: line 13 is not valid JSON",
+    ),
+    "streamed .jsonl not UTF-8": (
+        ["--dataset_name", "{utf8.jsonl}", *STREAM, "--max_steps", "4"],
+        "utf8.jsonl: line 21 is not valid UTF-8",
     ),
     ".txt dataset": (["--dataset_name", "{data.txt}"], "hfacc reads .json, .jsonl, .csv and .parquet files"),
     "folder with one broken .jsonl": (["--dataset_name", "{folder}"], "b.jsonl: line 4 is not valid JSON"),
