@@ -226,8 +226,16 @@ def get_last_complete_checkpoint(output_dir: str | Path, run: Mapping[str, Any] 
     return None
 
 
+def _saved_run(checkpoint: Path) -> dict[str, Any] | None:
+    """The settings of the run that saved ``checkpoint`` (None without a marker, or a damaged one)."""
+    try:
+        return (read_marker(checkpoint) or {}).get("run")
+    except ValueError:
+        return None
+
+
 def _other_run(checkpoint: Path, run: Mapping[str, Any]) -> str | None:
-    saved = (read_marker(checkpoint) or {}).get("run")
+    saved = _saved_run(checkpoint)
     if saved is None or saved == run:
         return None
     difference = describe_run_difference(saved, run)
@@ -264,16 +272,21 @@ def resolve_checkpoint(
         found = get_last_complete_checkpoint(path.parent) if path.parent.is_dir() else None
         hint = f" The newest complete one is {found}." if found and found != str(path) else ""
         raise ConfigError(f"Cannot resume from {resume_from_checkpoint}: {problem}.{hint}")
-    saved = (read_marker(path) or {}).get("run")
+    saved = _saved_run(path)
     if run is not None and saved is not None and saved.get("streaming") != run.get("streaming"):
         kind = "a streaming run (--streaming true)" if saved.get("streaming") else "a map-style run"
         raise ConfigError(
             f"Cannot resume from {resume_from_checkpoint}: it was saved by {kind}; resume it the same way, with the "
             "same data, or start afresh in a new --output_dir."
         )
-    if run is not None and saved is not None and (difference := describe_run_difference(saved, run)):
+    difference = describe_run_difference(saved, run) if run is not None and saved is not None else ""
+    if difference and str(path) not in _said:  # once (the recipe resolves it before the trainer does)
+        _said.add(str(path))
         logger.warning("hfacc: %s was saved with other settings (%s); it continues with this run's.", path, difference)
     return str(resume_from_checkpoint)
+
+
+_said: set[str] = set()
 
 
 # ---- the output directory ---------------------------------------------------------------------------------------

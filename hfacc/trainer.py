@@ -386,8 +386,11 @@ class TokenWeightedTrainer(Trainer):
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.args.ignore_data_skip, self._stream_resume, self._epoch_cursor = skip, None, None
-        if resume_from_checkpoint is not None and self.state.global_step == get_checkpoint_step(
-            resume_from_checkpoint
+        finished = self.state.global_step >= self.state.max_steps
+        if (
+            finished
+            and resume_from_checkpoint
+            and self.state.global_step == get_checkpoint_step(resume_from_checkpoint)
         ):
             logger.warning(
                 "hfacc: %s is at step %d of %d: the run is finished, nothing was trained. Raise max_steps (or "
@@ -419,14 +422,17 @@ class TokenWeightedTrainer(Trainer):
                 super()._save_checkpoint(model, trial)
                 if self._stream_batches is not None:  # each rank's own position in the stream
                     save_stream_state(self._stream_batches, self._stream_position, checkpoint)
-        except Exception as err:  # noqa: BLE001 (said below, on every rank, before any rank waits for another)
+        except Exception as err:  # raised below, on every rank, once the ranks know (none waits for a failed one)
             failure = err
         finally:
             self.args.save_total_limit = limit
         # Every rank writes files of its own (its RNG state; shards under FSDP/DeepSpeed): the marker, which lists
         # them with their hashes, waits until all ranks have written theirs, and is never written if one failed.
         if not all_ranks_agree(failure is None, self.accelerator):
-            raise describe_save_failure(failure, checkpoint) from failure
+            error = describe_save_failure(failure, checkpoint)
+            if error is failure:
+                raise failure
+            raise error from failure
         digests = gather_objects(relative_digests(digests, checkpoint), self.accelerator)
         if self.args.should_save:
             counters = {"skipped_steps": self.meter.skipped_steps, "empty_windows": self.meter.empty_windows}
