@@ -259,7 +259,7 @@ def resolve_checkpoint(
             others = [p.name for _, p in list_checkpoints(output_dir) if run and _other_run(p, run)]
             if others:
                 raise ConfigError(
-                    f"resume_from_checkpoint: no checkpoint of this run in {output_dir}; {', '.join(others)} were "
+                    f"resume_from_checkpoint: no checkpoint of this run in {output_dir}; {_names(others)} were "
                     f"saved by another run ({_other_run(Path(output_dir) / others[0], run)}). To continue that run, "
                     "resume with its settings or name its checkpoint; to start afresh, choose a new --output_dir or "
                     "pass --overwrite_output_dir true."
@@ -336,33 +336,38 @@ def check_output_dir(
             marker = read_marker(path)
         except ValueError:
             marker = None
-        if marker is None or "run" not in marker:
+        if marker is None:
             unmarked.append(path.name)
-        elif marker["run"] != dict(run):
+        elif marker.get("run", run) != dict(run):  # no settings: an older hfacc's marker, taken for this run's
             others.append((path.name, describe_run_difference(marker["run"], run)))
         else:
             same.append(path.name)
     if others:
-        names = ", ".join(name for name, _ in others)
         raise ConfigError(
-            f"{output_dir} holds checkpoints of another run ({names}: {others[0][1]}); a run started here would mix "
-            "with them (--resume_from_checkpoint last could continue theirs). Choose a new --output_dir, pass "
-            "--overwrite_output_dir true to delete them first, or resume that run with its settings."
+            f"{output_dir} holds checkpoints of another run ({_names([n for n, _ in others])}: {others[0][1]}); a "
+            "run started here would mix with them (--resume_from_checkpoint last could continue theirs). Choose a "
+            "new --output_dir, pass --overwrite_output_dir true to delete them first, or resume that run with its "
+            "settings."
         )
     if same:
         logger.warning(
             "hfacc: %s holds checkpoints of a run with these settings (%s); this run starts from step 0 and replaces "
             "them as it saves. --resume_from_checkpoint last continues from the newest instead.",
             output_dir,
-            ", ".join(same),
+            _names(same),
         )
     if unmarked:
         logger.warning(
             "hfacc: %s holds checkpoint folders without hfacc's %s (%s): not this run's; resuming will not use them.",
             output_dir,
             MARKER,
-            ", ".join(unmarked),
+            _names(unmarked),
         )
+
+
+def _names(names: list[str]) -> str:
+    """``checkpoint-9, checkpoint-8, checkpoint-7 and 4 more``."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def write_run_record(output_dir: str | Path, run: Mapping[str, Any], stock_checkpoint: str | None = None) -> None:
