@@ -87,6 +87,13 @@ class TokenWeightedArguments(TrainingArguments):
         default=10,
         metadata={"help": "Stop with an error after this many skipped non-finite steps (0: never stop)."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh in an output_dir that holds another run's checkpoints: they are deleted first. "
+            "Without it such a run is refused (it would mix with them: resuming could continue theirs)."
+        },
+    )
     audit_every_n_steps: int = field(
         default=0,
         metadata={
@@ -127,6 +134,8 @@ def validate_settings(args: TokenWeightedArguments) -> None:
         raise ValueError("audit_tolerance must be >= 0 (0 derives it from the training precision).")
     if args.max_skipped_steps < 0:
         raise ValueError("max_skipped_steps must be >= 0 (0 never stops training).")
+    if args.learning_rate < 0:
+        raise ValueError(f"learning_rate={args.learning_rate}: it must be >= 0.")
     if args.gradient_accumulation_steps < 1:
         raise ValueError(
             f"gradient_accumulation_steps={args.gradient_accumulation_steps}: it must be >= 1 (1 = no accumulation)."

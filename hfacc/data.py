@@ -36,6 +36,7 @@ from .loss import count_example_targets
 from .sources import (  # noqa: F401 (also importable from here, where they lived before)
     LOCAL_FORMATS,
     SOURCE_ROW,
+    get_local_data_files,
     load_sft_source,
     load_stream_source,
     validate_json_file,
@@ -335,7 +336,8 @@ def build_stream_datasets(args, tokenizer, seed: int = 0):
     raw_train, raw_eval = load_stream_source(args, seed=seed)
     options = args.sft_options()
     num_proc = options.pop("num_proc")
-    train = build_sft_stream(raw_train, tokenizer, buffer_size=args.stream_buffer_size, **options)
+    files = get_local_data_files(args.dataset_name) if args.dataset_name else []
+    train = build_sft_stream(raw_train, tokenizer, buffer_size=args.stream_buffer_size, data_files=files, **options)
     train.split_by_rows = True  # the held-out rows were skip()ped (and max_examples take()n): see SFTStream
     if args.packing:
         train.pack_length = args.max_length

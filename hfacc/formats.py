@@ -221,6 +221,10 @@ def normalize_messages(value: Any, index: Any, field: str, need_assistant: bool)
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         if "content" in m:
             _check_content(m["content"], where)
+            if need_assistant and m["role"] == "assistant" and "tool_calls" not in m and reasoning is None:
+                text = m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"])
+                if not text.strip():  # it would train the end-of-turn token alone, as an empty completion would
+                    raise DataError(f"{where}: the assistant message is empty; remove the row or fill it in.")
         elif not (m["role"] == "assistant" and ("tool_calls" in m or reasoning is not None)):
             raise DataError(
                 f"{where}: expected a dict with 'role' and 'content', got {m!r:.80} (only an assistant message "

@@ -7,7 +7,6 @@ logging interval, per run, per evaluation — on device until a log needs them, 
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -68,8 +67,9 @@ class LossMeter:
 
     def _logs(self, sums: torch.Tensor | None, accelerator, objective, prefix: str) -> dict[str, float]:
         # Every rank commits the same windows (the step gate's decisions are agreed), so all of them reduce or none.
+        # No loss when no window reached the weights (every step skipped, or nothing trained): not a NaN to plot.
         if sums is None or objective is None:
-            return {f"{prefix}loss": math.nan, f"{prefix}num_targets": 0}
+            return {f"{prefix}num_targets": 0}
         return objective.metric_logs(reduce_sum(sums, accelerator).tolist(), prefix)
 
     def reset_eval(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,9 @@ from .embedded import build_tiny_llama as build_tiny_llama
 
 logger = logging.getLogger(__name__)
 
+# Any of these makes a folder hold a tokenizer AutoTokenizer can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
 
 def load_causal_lm(
     name_or_path: str,
@@ -30,12 +34,73 @@ def load_causal_lm(
 
     Weights load through safetensors only (``use_safetensors=True``: a repository that ships only pickled
     ``.bin`` weights is refused rather than unpickled), and ``trust_remote_code`` stays off unless asked for.
+    Weights that do not fit the config (other shapes, layers the file lacks) are a :class:`ConfigError`, not layers
+    silently initialized at random; so are a local directory without a readable ``config.json`` or with damaged
+    weights.
     """
-    config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
-    kwargs = {"config": config, "trust_remote_code": trust_remote_code, "use_safetensors": True, "revision": revision}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **kwargs)
+    local = Path(name_or_path).is_dir()
+    if local:
+        check_model_dir(Path(name_or_path))
+    try:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+        kwargs = {"config": config, "trust_remote_code": trust_remote_code, "revision": revision}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        model, info = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype, use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True,
+            **kwargs,
+        )  # fmt: skip
+    except Exception as err:
+        if not local or "trust_remote_code" in str(err):
+            raise
+        what = "its weights are damaged or incomplete" if "Safetensor" in type(err).__name__ else "it cannot be loaded"
+        raise ConfigError(
+            f"--model_name_or_path {name_or_path}: {what} ({_first_line(err)}). Copy or save the model again."
+        ) from err
+    mismatched = sorted(info.get("mismatched_keys") or [])
+    if mismatched:
+        name, saved, expected = mismatched[0]
+        raise ConfigError(
+            f"--model_name_or_path {name_or_path}: its weights do not fit its config.json: '{name}' is "
+            f"{list(saved)} in the weights and {list(expected)} by the config ({len(mismatched)} such weights). The "
+            "config and the weights are of different models."
+        )
+    if info.get("missing_keys"):
+        missing = sorted(info["missing_keys"])
+        raise ConfigError(
+            f"--model_name_or_path {name_or_path}: {len(missing)} weight(s) of the model its config.json describes "
+            f"are not in its weights ('{missing[0]}', ...): they would train from random values. The config and the "
+            "weights are of different models."
+        )
+    return model
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def check_model_dir(path: Path) -> None:
+    """A ConfigError naming what a local model directory lacks: a readable config.json, safetensors weights."""
+    config = path / "config.json"
+    if not config.is_file():
+        raise ConfigError(
+            f"--model_name_or_path {path}: the folder has no config.json. Give the folder that save_pretrained wrote "
+            "(config.json and model.safetensors)."
+        )
+    try:
+        json.loads(config.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{config} is not valid JSON ({err}); fix it or save the model again.") from None
+    if not any(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file():
+        pickled = sorted(p.name for p in path.glob("*.bin"))
+        if pickled:
+            raise ConfigError(
+                f"--model_name_or_path {path}: its weights are pickled ({pickled[0]}), and hfacc loads safetensors "
+                "only (unpickling can run code). If you trust the file, convert it once: load it with transformers "
+                "and save_pretrained (which writes model.safetensors)."
+            )
+        raise ConfigError(f"--model_name_or_path {path}: the folder has no model.safetensors.")
 
 
 def get_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, revision: str | None = None):
@@ -46,16 +111,18 @@ def get_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, revisio
     """
     from transformers import AutoTokenizer
 
+    path = Path(name_or_path)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ConfigError(
+            f"tokenizer {name_or_path}: the folder has no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}, ...). "
+            "Save the tokenizer there too (tokenizer.save_pretrained), or give --tokenizer_name_or_path."
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
-    except (OSError, ValueError) as err:
-        if not Path(name_or_path).is_dir():
-            raise  # a Hub id: the console names the Hub failure and the settings behind it
-        raise ConfigError(
-            f"{name_or_path}: no tokenizer can be loaded from this folder (transformers: {type(err).__name__}). "
-            "Point --tokenizer_name_or_path (or --model_name_or_path) at a folder written by "
-            "tokenizer.save_pretrained()."
-        ) from err
+    except Exception as err:
+        if not path.is_dir():
+            raise
+        raise ConfigError(f"tokenizer {name_or_path}: it cannot be loaded ({_first_line(err)}).") from err
     if tokenizer.pad_token is None:
         fallback = tokenizer.eos_token or tokenizer.unk_token
         if fallback is None:
@@ -142,6 +209,8 @@ def load_model_and_tokenizer(args: ModelArguments, seed: int = 0):
     The embedded default trains its tokenizer on the project's own corpus and sizes a tiny Llama to it; both are
     deterministic, so every rank of a distributed run builds the same ones.
     """
+    if args.model_name_or_path is not None and Path(args.model_name_or_path).is_dir():
+        check_model_dir(Path(args.model_name_or_path))  # what the folder lacks, before its tokenizer trips on it
     tokenizer = load_tokenizer(args)
     if args.model_name_or_path is None:
         model = build_default_model(

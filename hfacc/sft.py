@@ -23,7 +23,7 @@ from pathlib import Path
 from transformers import set_seed
 
 from .arguments import TokenWeightedArguments
-from .checkpoint import resolve_checkpoint
+from .checkpoint import get_run_settings, prepare_run
 from .collator import DataCollatorForCausalLM
 from .console import run_recipe, setup_console, use_console, write
 from .data import DataArguments, build_datasets
@@ -51,7 +51,8 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
     start = time.perf_counter()
     setup_console(args)  # quiet by default; --log_level info for all detail
     set_seed(args.seed)
-    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)  # a bad one fails now, not later
+    # A bad checkpoint or output directory fails now, before the model loads (the trainer checks again).
+    resume = prepare_run(args, get_run_settings(args, data_args.streaming), args.resume_from_checkpoint)
     model, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
     with args.main_process_first(desc="dataset tokenization"):
         train_ds, eval_ds, raw_eval = build_datasets(data_args, tokenizer, seed=args.seed)

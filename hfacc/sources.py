@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,26 +56,28 @@ def load_sft_source(
         held_out = None
     else:
         path = Path(name_or_path)
-        if path.suffix in LOCAL_FORMATS:
-            if not path.is_file():
-                raise DataError(f"dataset {name_or_path}: no such file.")
-            if path.suffix in (".json", ".jsonl"):
+        files = get_local_data_files(name_or_path)
+        for file in files:
+            if file.suffix in (".json", ".jsonl"):
                 # Check the rows as written, before Arrow unifies types (it turns "4" into 4 when another row
                 # holds a number), so an error names the row and line that is really wrong.
-                validate_json_file(path)
+                validate_json_file(file)
+        if path.suffix in LOCAL_FORMATS:
             try:
                 data = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
-            except Exception as err:  # pyarrow errors name neither the row nor the fix
-                raise DataError(
-                    f"{path} cannot be read as {LOCAL_FORMATS[path.suffix]}: {err}. Check that every row is valid "
-                    "and that each column has one type throughout."
-                ) from err
+            except Exception as err:  # pyarrow's and pandas' errors name neither the line nor the fix
+                raise DataError(describe_read_failure(files, err)) from err
             held_out = None
-        elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        elif _is_saved_dataset(path):
             loaded = datasets.load_from_disk(str(path))
             data, held_out = _pick_splits(loaded, split, eval_split, name_or_path)
         else:
-            loaded = datasets.load_dataset(name_or_path, config)
+            try:
+                loaded = datasets.load_dataset(name_or_path, config)
+            except Exception as err:
+                if not files:  # a hub dataset: the console names what the Hub said
+                    raise
+                raise DataError(describe_read_failure(files, err)) from err
             data, held_out = _pick_splits(loaded, split, eval_split, name_or_path)
     if max_examples is not None:
         data = data.select(range(min(max_examples, len(data))))
@@ -102,22 +104,117 @@ def load_sft_source(
     return data, held_out
 
 
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
+
+
+def get_local_data_files(name_or_path: str) -> list[Path]:
+    """The local data files ``name_or_path`` stands for: itself (a .json/.jsonl/.csv/.parquet file), the data files
+    of a folder (not a ``save_to_disk`` one), or none (a hub name). A DataError for what hfacc cannot read."""
+    path = Path(name_or_path)
+    if path.suffix in LOCAL_FORMATS:
+        if not path.is_file():
+            raise DataError(f"dataset {name_or_path}: no such file.")
+        return [path]
+    if path.is_file():
+        raise DataError(
+            f"dataset {name_or_path}: hfacc reads .json, .jsonl, .csv and .parquet files (or a save_to_disk folder), "
+            f"not {path.suffix or 'a file without an extension'}. Convert it, e.g. to one JSON object per line in a "
+            ".jsonl file."
+        )
+    if not path.is_dir() or _is_saved_dataset(path):
+        return []
+    files = sorted(p for p in path.rglob("*") if p.suffix in LOCAL_FORMATS and p.is_file())
+    if not files:
+        raise DataError(
+            f"dataset {name_or_path}: the folder holds no .json, .jsonl, .csv or .parquet file, and is no save_to_disk "
+            "folder either."
+        )
+    return files
+
+
+def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed row)`` of a .jsonl file; a DataError names the first line that is not UTF-8 or JSON."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(
+                    f"{path}: line {number} is not valid UTF-8 ({err.reason} at byte {err.start}); save the file "
+                    "as UTF-8."
+                ) from None
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except ValueError as err:
+                raise DataError(f"{path}: line {number} is not valid JSON ({err}).") from err
+
+
+def describe_read_failure(files: list[Path], err: BaseException) -> str:
+    """What is wrong in ``files`` when reading them failed with ``err`` (datasets' and pyarrow's messages name no
+    line): the first line of a .json/.jsonl file that is not UTF-8 or JSON, or the CSV record that breaks, found by
+    reading the files again with Python's own parsers (only on this failure path)."""
+    for file in files:
+        try:
+            if file.suffix == ".jsonl":
+                for _ in _json_lines(file):
+                    pass
+            elif file.suffix == ".json":
+                validate_json_file(file)
+            elif file.suffix == ".csv" and (problem := _csv_problem(file)):
+                return f"{file}: {problem}."
+        except DataError as found:
+            return str(found)
+    cause = err
+    while cause.__cause__ or cause.__context__:
+        cause = cause.__cause__ or cause.__context__
+    where = files[0] if len(files) == 1 else f"{files[0].parent} ({len(files)} files)"
+    return (
+        f"{where} cannot be read: {str(cause).strip() or type(cause).__name__}. Check that every row is valid and that "
+        "each column has one type throughout."
+    )
+
+
+def _csv_problem(path: Path) -> str | None:
+    """The first record of a CSV file with an unbalanced quote or another number of fields than the header."""
+    import csv
+
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f, strict=True)
+            header = next(reader, None)
+            if header is None:
+                return "it is empty"
+            start = reader.line_num + 1
+            for record in reader:
+                if len(record) != len(header):
+                    return f"the record that starts on line {start} has {len(record)} fields, the header {len(header)}"
+                start = reader.line_num + 1
+    except csv.Error as err:
+        return f"the record that starts on line {start} is malformed ({err}; a quote opened there is not closed?)"
+    except UnicodeDecodeError as err:
+        return f"it is not valid UTF-8 ({err.reason}); save it as UTF-8"
+    return None
+
+
 def validate_json_file(path: str | Path) -> None:
     """Parse a .json/.jsonl file with Python's json and check every row's fields; DataError names row and line."""
     path = Path(path)
     records: list[tuple[str, Any]] = []
     if path.suffix == ".jsonl":
-        with open(path) as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append((f"{len(records)} (line {number} of {path.name})", json.loads(line)))
-                except ValueError as err:
-                    raise DataError(f"{path}: line {number} is not valid JSON ({err}).") from err
+        for number, line in _json_lines(path):
+            records.append((f"{len(records)} (line {number} of {path.name})", line))
     else:
+        raw = path.read_bytes()
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            line = raw.count(b"\n", 0, err.start) + 1
+            raise DataError(
+                f"{path}: line {line} is not valid UTF-8 ({err.reason}); save the file as UTF-8."
+            ) from None
         except ValueError as err:
             raise DataError(f"{path} is not valid JSON ({err}).") from err
         rows = data if isinstance(data, list) else next((v for v in data.values() if isinstance(v, list)), None)
@@ -183,9 +280,8 @@ def load_stream_source(args, seed: int = 0):
         source = datasets.IterableDataset.from_generator(embedded_rows)
     else:
         path = Path(name)
+        get_local_data_files(name)  # a file hfacc cannot read is said now
         if path.suffix in LOCAL_FORMATS:
-            if not path.is_file():
-                raise DataError(f"dataset {name}: no such file.")
             source = datasets.load_dataset(
                 LOCAL_FORMATS[path.suffix], data_files=str(path), split="train", streaming=True
             )
@@ -205,7 +301,21 @@ def load_stream_source(args, seed: int = 0):
         held_out, source = source.take(args.stream_eval_examples), source.skip(args.stream_eval_examples)
     if args.max_examples is not None:
         source = source.take(args.max_examples)
-    raw_eval = datasets.Dataset.from_list(list(held_out))
+    try:
+        raw_eval = datasets.Dataset.from_list(list(held_out))
+    except DataError:
+        raise
+    except Exception as err:  # a broken line among the held-out rows
+        files = get_local_data_files(name) if name else []
+        if not files:
+            raise
+        raise DataError(describe_read_failure(files, err)) from err
     if len(raw_eval) == 0:
         raise DataError(f"dataset {name or '(embedded)'}: the stream is empty; nothing to hold out or train on.")
+    if not args.dataset_eval_split and len(raw_eval) < args.stream_eval_examples:
+        raise DataError(
+            f"dataset {name or '(embedded)'}: the stream has {len(raw_eval)} rows, all held out for evaluation "
+            f"(stream_eval_examples={args.stream_eval_examples}): none is left to train on. Lower "
+            "--stream_eval_examples, or give an evaluation split (--dataset_eval_split)."
+        )
     return source, raw_eval

@@ -43,7 +43,7 @@ from .formats import (
     encode_row,
 )
 from .loss import IGNORE_INDEX
-from .sources import SOURCE_ROW
+from .sources import SOURCE_ROW, describe_read_failure
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +60,13 @@ def build_sft_stream(
     last_turn_only: bool = False,
     truncation: str = "right",
     buffer_size: int = 1000,
+    data_files: list | None = None,
 ) -> SFTStream:
     """``source`` (a ``datasets.IterableDataset`` of raw rows), tokenized and masked lazily as training reads it.
 
     Same formats, masking, truncation and errors as :func:`hfacc.data.build_sft_dataset`; the format is read off
     the first row when the stream does not know its columns (a generator). Nothing is tokenized here but that row.
+    ``data_files``: the local files the stream reads, so that a broken line is named when reading fails.
     """
     if format not in ("auto", *FORMATS):
         raise DataError(f"format={format!r} is not supported; use 'auto' or one of {list(FORMATS)}.")
@@ -74,7 +76,7 @@ def build_sft_stream(
         raise DataError(f"max_length={max_length}: an example needs at least 2 tokens to have a target.")
     if buffer_size < 1:
         raise DataError(f"stream_buffer_size={buffer_size}: it must be >= 1.")
-    first = next(iter(source.take(1)), None)
+    first = read_row(iter(source.take(1)), data_files)
     if first is None:
         raise DataError("The streamed dataset is empty.")
     columns = source.column_names or list(first)
@@ -91,7 +93,21 @@ def build_sft_stream(
         )
     if tokenizer.eos_token_id is None:
         raise DataError("The tokenizer has no eos_token; set tokenizer.eos_token so completions can end.")
-    return SFTStream(source, tokenizer, format, max_length, last_turn_only, truncation, buffer_size)
+    stream = SFTStream(source, tokenizer, format, max_length, last_turn_only, truncation, buffer_size)
+    stream.data_files = list(data_files or [])
+    return stream
+
+
+def read_row(rows: Iterator, data_files: list | None) -> Mapping[str, Any] | None:
+    """The next row of a stream (None at its end); a failure to read a local file is a DataError naming the line."""
+    try:
+        return next(rows, None)
+    except DataError:
+        raise
+    except Exception as err:  # datasets' JSON and CSV readers name no line (or a line of their own chunk)
+        if not data_files:
+            raise
+        raise DataError(describe_read_failure(data_files, err)) from err
 
 
 class SFTStream(torch.utils.data.IterableDataset):
@@ -115,6 +131,7 @@ class SFTStream(torch.utils.data.IterableDataset):
         # skips 1 or 2 rows of each), so held-out rows would be trained and others skipped: such a stream is split
         # row by row, where they apply to the stream as a whole.
         self.split_by_rows = False
+        self.data_files: list = []  # the local files read, to name a broken line (build_sft_stream sets them)
         self.dropped = self.truncated = 0
 
     def __repr__(self) -> str:
@@ -235,12 +252,15 @@ class StreamBatches(torch.utils.data.IterableDataset):
             source.set_epoch(epoch)
             if source_state is not None:
                 source.load_state_dict(source_state)
+            # A pass read from its start that yields nothing never will: every row dropped (or none there). A pass
+            # resumed part-way may just have nothing left; the next one, from the start, tells.
+            whole = source_state is None and rows == 0
             it, exhausted, produced = iter(source), False, False
             while not exhausted:
                 examples, read = [], 0
                 size = self.stream.buffer_size if self.reorders else self.batch_size
                 while len(examples) < size:
-                    row = next(it, None)
+                    row = read_row(it, self.stream.data_files)
                     if row is None:
                         exhausted = True
                         break
@@ -266,10 +286,13 @@ class StreamBatches(torch.utils.data.IterableDataset):
                     position.update(rank=self.rank, world_size=self.world_size)
                     yield {**self.collator(batch), STATE_KEY: position}
                 done, rows, source_state = 0, rows + read, after
-            if not produced and not rows:
+            if not produced and whole:
+                what = f"all {rows} of its rows were dropped" if rows else "it has no row"
                 raise DataError(
-                    f"rank {self.rank}'s share of the stream holds no usable example (every row was dropped or "
-                    f"there is none: {self.world_size} processes, {self.stream.source.n_shards} shard(s))."
+                    f"rank {self.rank}'s share of the stream holds no usable example: {what} (no target token, or "
+                    f"longer than max_length={self.stream.max_length} with truncation='drop'; {self.world_size} "
+                    f"process(es), {self.stream.source.n_shards} shard(s)). Check the masking (hfacc show-mask) "
+                    "or raise max_length."
                 )
             epoch, rows = epoch + 1, 0
             if not self.restarts_said:
@@ -320,6 +343,11 @@ def load_stream_state(batches: StreamBatches, checkpoint: str | Path) -> bool:
         return False
     batches.load_state_dict(json.loads(path.read_text()))
     return True
+
+
+def holds_stream_state(checkpoint: str | Path) -> bool:
+    """Whether ``checkpoint`` was saved by a streaming run (it holds a position in the stream)."""
+    return any(Path(checkpoint).glob(STATE_FILE.format(rank="*")))
 
 
 def check_stream_training(args) -> None:

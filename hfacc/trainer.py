@@ -25,19 +25,38 @@ import datasets
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer_utils import has_length
 
 from .arguments import TokenWeightedArguments, as_token_weighted_arguments, validate_settings
 from .audit import AccumulationAuditCallback
 from .batching import build_token_budget_loader, is_packed, require_packing_support
-from .checkpoint import complete_checkpoint, get_checkpoint_dir, resolve_checkpoint
+from .checkpoint import (
+    complete_checkpoint,
+    describe_save_failure,
+    get_checkpoint_dir,
+    get_checkpoint_step,
+    get_run_settings,
+    prepare_run,
+    read_marker,
+    unmark_checkpoint,
+)
 from .collator import warn_about_padding_labels
+from .config import ConfigError
 from .distributed import (
+    all_ranks_agree,
     check_data_parallel,
+    count_real_rows,
+    forward_set_epoch,
+    gather_objects,
+    get_epoch_cursor,
+    get_epoch_layout,
     get_gradient_scale,
     mark_for_deepspeed_skip,
+    num_rows,
     trim_repeated_examples,
     undo_evaluation_preparation,
 )
+from .hashing import hashing_writes, relative_digests
 from .meter import LossMeter
 from .model_setup import ModelSetup, build_model_setup
 from .objectives import ModelLossObjective, Objective
@@ -47,6 +66,7 @@ from .streaming import (
     SFTStream,
     build_stream_loader,
     check_stream_training,
+    holds_stream_state,
     read_stream_window,
     save_stream_state,
     take_stream_position,
@@ -81,6 +101,11 @@ class TokenWeightedTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     args: TokenWeightedArguments
+    _epoch_layout = _epoch_cursor = None  # where accelerate repeats examples in each epoch (hfacc/distributed.py)
+    _data_skipped = False  # whether this train() call resumes mid-epoch by skipping micro-batches
+    _nothing_to_train = False  # a finished run was resumed: no step, no save
+    _resumed_counters: dict | None = None  # the step gate's counts saved in the checkpoint resumed from
+    _run_settings: dict | None = None  # what identifies this run in its checkpoints (hfacc/checkpoint.py)
 
     def __init__(self, model=None, args=None, *rest, objective: Objective | str | None = None, **kwargs):
         args = as_token_weighted_arguments(args)
@@ -126,7 +151,15 @@ class TokenWeightedTrainer(Trainer):
             )
             return loader
         if not budget:
-            return super().get_train_dataloader()
+            loader = super().get_train_dataloader()
+            if has_length(self.train_dataset):  # where accelerate's repeats are, from the sizes alone
+                self._epoch_layout = get_epoch_layout(
+                    self.accelerator,
+                    num_examples=len(self.train_dataset),
+                    batch_size=self._train_batch_size,
+                    drop_last=self.args.dataloader_drop_last,
+                )
+            return loader
         dataset, collator = self.train_dataset, self.data_collator
         if isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description="training")
@@ -135,22 +168,48 @@ class TokenWeightedTrainer(Trainer):
         if not hasattr(dataset, "__getitem__") or "input_ids" not in dataset[0]:
             raise ValueError("max_tokens_per_batch needs a map-style dataset whose examples have 'input_ids'.")
         loader = build_token_budget_loader(dataset, collator, self.args)
-        return self.accelerator.prepare(loader)
+        self._epoch_layout = get_epoch_layout(self.accelerator, num_batches=len(loader.batch_sampler))
+        prepared = self.accelerator.prepare(loader)
+        forward_set_epoch(prepared, loader.batch_sampler)
+        return prepared
 
     # ---- counting: once per window --------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
         """Draw the window's micro-batches and open its :class:`~hfacc.window.Window` (one collective)."""
+        if self._resumed_counters:  # after the step gate reset them at the start of training
+            self.meter.skipped_steps = self._resumed_counters.get("skipped_steps", 0)
+            self.meter.empty_windows = self._resumed_counters.get("empty_windows", 0)
+            self._resumed_counters = None
+        if self.state.global_step >= self.state.max_steps:
+            # Only a resumed, finished run gets here (the Trainer stops at max_steps otherwise); stock Trainer would
+            # train one more step on every such resume.
+            self._nothing_to_train = self.control.should_training_stop = True
+            return [], None
         if self._stream_batches is not None:  # a bad row stops every rank; the window ends at a stream position
             batch_samples = read_stream_window(epoch_iterator, num_batches, self.accelerator)
             self._stream_position = take_stream_position(batch_samples) or self._stream_position
         else:
             batch_samples = list(islice(epoch_iterator, num_batches))
-        repeated, cut = trim_repeated_examples(self.accelerator, batch_samples, warn=not self._repeats_said)
-        self._repeats_said |= cut > 0
+        repeated = set()
+        if batch_samples and self.accelerator.num_processes > 1 and self._stream_batches is None:
+            if self._epoch_cursor is None:  # the first window of this train() call
+                loader, step = self.callback_handler.train_dataloader, self.state.global_step
+                accumulation = self.args.gradient_accumulation_steps
+                cursor = get_epoch_cursor(self._epoch_layout, loader, step, accumulation, self._data_skipped)
+                self._epoch_cursor = cursor or False
+            if self._epoch_cursor:
+                real = self._epoch_cursor.real_rows(epoch_iterator, batch_samples)
+            else:  # a loader hfacc did not build: what accelerate's loader says of itself
+                real = count_real_rows(self.accelerator, num_rows(batch_samples[-1]))
+            rank = self.accelerator.process_index
+            repeated, cut = trim_repeated_examples(batch_samples, real, rank, warn=not self._repeats_said)
+            self._repeats_said |= cut > 0
         if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
             self._packing_checked = True
             require_packing_support(self.model, self._prepare_inputs(batch_samples[0]))
-        if self.model_setup is None and batch_samples:  # before the first window is counted
+        if self.model_setup is None and batch_samples:
+            # Before the first window is counted, on every rank at the same window (its checks are collectives),
+            # even on a rank whose only micro-batch repeats examples and is counted without it.
             self.setup_model(batch_samples[0])
         first = self.window is None
         self.window = self.open_window(batch_samples, device, repeated, warn=first)
@@ -261,9 +320,12 @@ class TokenWeightedTrainer(Trainer):
     # ---- what gets logged -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Replace the Trainer's mean of micro-batch means by the exact token-weighted values."""
+        # The meter leaves the loss out when no window reached the weights (all skipped, or nothing trained).
         if "loss" in logs:
+            del logs["loss"]
             logs.update(self.meter.interval_logs(self.accelerator, self.objective))
         if "train_loss" in logs:
+            del logs["train_loss"]
             logs.update(self.meter.run_logs(self.accelerator, self.objective))
         super().log(logs, start_time)
 
@@ -290,42 +352,91 @@ class TokenWeightedTrainer(Trainer):
         return output
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """``Trainer.train``; ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint."""
-        resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
-        undo_evaluation_preparation(self.accelerator, self.model, self.model_wrapped)
+        """``Trainer.train``, after hfacc's checks of the checkpoint and the output directory (before training).
+
+        ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint of this run (same
+        settings, :func:`hfacc.checkpoint.get_run_settings`); a new run into a directory holding another run's
+        checkpoints is refused (``overwrite_output_dir`` deletes them). Resuming a finished run trains nothing.
+        """
         streaming = isinstance(self.train_dataset, SFTStream)
+        self._run_settings = get_run_settings(self.args, streaming)
+        resume_from_checkpoint = prepare_run(self.args, self._run_settings, resume_from_checkpoint, self.model)
+        if resume_from_checkpoint is not None and not streaming and holds_stream_state(resume_from_checkpoint):
+            raise ConfigError(
+                f"Cannot resume from {resume_from_checkpoint}: it was saved by a streaming run (it holds the "
+                "stream's position); resume it with --streaming true and the same data, or start afresh."
+            )
+        undo_evaluation_preparation(self.accelerator, self.model, self.model_wrapped)
         self._stream_resume = resume_from_checkpoint if streaming else None
+        marker = read_marker(resume_from_checkpoint) if resume_from_checkpoint else None
+        self._resumed_counters = (marker or {}).get("hfacc")  # the step gate's counts go on from the checkpoint's
+        self._nothing_to_train = False
         skip = self.args.ignore_data_skip
+        self._epoch_cursor, self._data_skipped = None, resume_from_checkpoint is not None and not skip
         # A stream resumes from the position saved in the checkpoint, not by reading and dropping every micro-batch
         # trained before (the Trainer's skip_first_batches).
         self.args.ignore_data_skip = skip or (streaming and resume_from_checkpoint is not None)
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            self.args.ignore_data_skip, self._stream_resume = skip, None
+            self.args.ignore_data_skip, self._stream_resume, self._epoch_cursor = skip, None, None
+        finished = self.state.global_step >= self.state.max_steps
+        if (
+            finished
+            and resume_from_checkpoint
+            and self.state.global_step == get_checkpoint_step(resume_from_checkpoint)
+        ):
+            logger.warning(
+                "hfacc: %s is at step %d of %d: the run is finished, nothing was trained. Raise max_steps (or "
+                "num_train_epochs) to train on from it.",
+                resume_from_checkpoint,
+                self.state.global_step,
+                self.state.max_steps,
+            )
         # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
-        return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
+        return output._replace(training_loss=output.metrics.get("train_loss", float("nan")))
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The stock checkpoint, then a completion marker, then rotation: a crash mid-save never costs the last good one.
+        """The stock checkpoint hashed as it is written, then a completion marker, then rotation: a crash mid-save
+        never costs the last good checkpoint, and never makes the incomplete one look complete.
 
         Stock Trainer rotates old checkpoints inside the save; with ``save_total_limit=1`` a crash right after could
         leave only a half-written checkpoint. Here rotation waits until the new checkpoint is marked complete.
         """
-        limit = self.args.save_total_limit
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint = get_checkpoint_dir(run_dir, self.state.global_step)
+        if self._nothing_to_train:  # a finished run resumed: the checkpoint it resumed from is this one
+            return
+        if self.args.should_save:  # written again (a run restarted in its directory): incomplete until marked anew
+            unmark_checkpoint(checkpoint)
+        limit, failure = self.args.save_total_limit, None
         self.args.save_total_limit = None
         try:
-            super()._save_checkpoint(model, trial)
+            with hashing_writes() as digests:
+                super()._save_checkpoint(model, trial)
+                if self._stream_batches is not None:  # each rank's own position in the stream
+                    save_stream_state(self._stream_batches, self._stream_position, checkpoint)
+        except Exception as err:  # raised below, on every rank, once the ranks know (none waits for a failed one)
+            failure = err
         finally:
             self.args.save_total_limit = limit
-        if self._stream_batches is not None:  # each rank's own position in the stream, before the marker lists files
-            checkpoint = get_checkpoint_dir(self._get_output_dir(trial=trial), self.state.global_step)
-            save_stream_state(self._stream_batches, self._stream_position, checkpoint)
         # Every rank writes files of its own (its RNG state; shards under FSDP/DeepSpeed): the marker, which lists
-        # the checkpoint's files, must wait until all of them are written.
-        self.accelerator.wait_for_everyone()
+        # them with their hashes, waits until all ranks have written theirs, and is never written if one failed.
+        if not all_ranks_agree(failure is None, self.accelerator):
+            error = describe_save_failure(failure, checkpoint)
+            if error is failure:
+                raise failure
+            raise error from failure
+        digests = gather_objects(relative_digests(digests, checkpoint), self.accelerator)
         if self.args.should_save:
-            complete_checkpoint(self._get_output_dir(trial=trial), self.state, limit)
+            counters = {"skipped_steps": self.meter.skipped_steps, "empty_windows": self.meter.empty_windows}
+            try:
+                complete_checkpoint(
+                    run_dir, self.state, limit, {k: v for d in digests for k, v in d.items()},
+                    run=self._run_settings, hfacc=counters,
+                )  # fmt: skip
+            except OSError as err:
+                raise describe_save_failure(err, checkpoint) from err
 
 
 # Also importable from here, where they lived before (hfacc.trainer.TokenWeightedArguments, ...).

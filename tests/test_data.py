@@ -385,7 +385,7 @@ def test_show_mask_on_a_tokenizer_folder_and_a_one_row_file(tmp_path, capsys):
     assert out.count("--- example") == 1 and "--- example 0:" in out and "[[It is 4.<|im_end|>]]" in out
     for wrong, message in (
         (["--index", "1"], "error: --index 1: the data has fewer rows"),
-        (["--model_name_or_path", str(tmp_path)], f"error: {tmp_path}: no tokenizer can be loaded from this folder"),
+        (["--model_name_or_path", str(tmp_path)], f"error: tokenizer {tmp_path}: the folder has no tokenizer files"),
     ):
         with pytest.raises(SystemExit) as exit_info:
             cli_main([*argv, *wrong])
