@@ -34,6 +34,7 @@ from .objective_choice import get_objective
 from .step_gate import NonFiniteLossError
 from .trainer import TokenWeightedTrainer
 from .verify import verify_accumulation
+from .vision import DataCollatorForVisionLM, get_processor
 
 __version__ = "0.1.0"
 
@@ -49,6 +50,8 @@ __all__ = [
     "load_sft_source",
     "DataArguments",
     "DataCollatorForCausalLM",
+    "DataCollatorForVisionLM",
+    "get_processor",
     "TokenBudgetBatchSampler",
     "pack_examples",
     "pack_dataset",

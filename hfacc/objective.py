@@ -43,6 +43,7 @@ from .model_io import (
     model_inputs,
     packed_position_ids,
 )
+from .multimodal import with_packed_positions
 
 
 class Objective(ABC):
@@ -132,6 +133,7 @@ class CausalLMObjective(Objective):
         inputs = model_inputs(batch)
         if packed_position_ids(inputs) is not None:
             inputs["use_cache"] = False
+            inputs = with_packed_positions(model, inputs)  # hfacc.multimodal: mrope positions per sequence (Qwen2-VL)
         targets = self._targets(batch)
         sequences = get_batch_sequences(batch, targets.shape) if per_sequence else None
         if self.fused and (model.training or self.fused_in_eval) and not (per_sequence and torch.is_grad_enabled()):

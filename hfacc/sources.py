@@ -38,19 +38,19 @@ def load_sft_source(
     max_examples: int | None = None,
     seed: int = 0,
     num_embedded: int = 4000,
+    embedded: str = "instructions",
 ):
     """Load raw SFT data and return ``(train, eval)`` ``datasets.Dataset`` s.
 
     ``name_or_path`` is a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file, a directory written by
-    ``Dataset.save_to_disk``, a hub dataset name, or ``None`` for the embedded instruction dataset. Without an
+    ``Dataset.save_to_disk``, a hub dataset name, or ``None`` for the embedded dataset (``embedded``: generated
+    ``"instructions"``, or ``"shapes"``, pictures with questions for a vision-language model). Without an
     ``eval_split``, a seeded ``eval_fraction`` of the examples is held out.
     """
     import datasets
 
     if name_or_path is None:
-        from .embedded import generate_instruction_examples
-
-        data = datasets.Dataset.from_list(generate_instruction_examples(num_embedded, seed=seed))
+        data = datasets.Dataset.from_list(generate_embedded_rows(embedded, num_embedded, seed))
         held_out = None
     else:
         path = Path(name_or_path)
@@ -89,6 +89,23 @@ def load_sft_source(
         parts = data.train_test_split(test_size=eval_fraction, seed=seed)
         data, held_out = parts["train"], parts["test"]
     return data, held_out
+
+
+EMBEDDED_DATASETS = ("instructions", "shapes")
+
+
+def generate_embedded_rows(kind: str, n: int, seed: int) -> list[dict]:
+    """The embedded dataset's rows: generated ``"instructions"`` (:mod:`hfacc.embedded`) or ``"shapes"``
+    (:mod:`hfacc.embedded_vision`)."""
+    if kind == "shapes":
+        from .embedded_vision import generate_shape_examples
+
+        return generate_shape_examples(n, seed=seed)
+    if kind != "instructions":
+        raise DataError(f"embedded_dataset={kind!r}: use one of {list(EMBEDDED_DATASETS)}.")
+    from .embedded import generate_instruction_examples
+
+    return generate_instruction_examples(n, seed=seed)
 
 
 def validate_json_file(path: str | Path) -> None:
@@ -162,12 +179,10 @@ def load_stream_source(args, seed: int = 0):
     name = args.dataset_name
     held_out = None
     if name is None:
-        from .embedded import generate_instruction_examples
-
-        count = args.num_embedded_examples
+        count, kind = args.num_embedded_examples, args.embedded_dataset
 
         def embedded_rows():
-            yield from generate_instruction_examples(count, seed=seed)
+            yield from generate_embedded_rows(kind, count, seed)
 
         source = datasets.IterableDataset.from_generator(embedded_rows)
     else:

@@ -42,6 +42,7 @@ from .function_objective import LossFunctionObjective
 from .loss import LossSums
 from .loss_path import choose_loss_path
 from .meter import LossMeter
+from .multimodal import IMAGE_COLUMN
 from .objective import (
     CausalLMObjective,
     ModelLossObjective,
@@ -215,6 +216,8 @@ class TokenWeightedTrainer(Trainer):
         # other. The packing check then refuses such a model.
         super()._set_signature_columns_if_needed()
         self._signature_columns += [c for c in ("position_ids", "seq_lengths") if c not in self._signature_columns]
+        # And the image references DataCollatorForVisionLM decodes (hfacc.vision): the model takes pixels, not them.
+        self._signature_columns += [IMAGE_COLUMN] if IMAGE_COLUMN not in self._signature_columns else []
 
     # ---- the loss: once per micro-batch ---------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
