@@ -140,14 +140,15 @@ def validate_json_file(path: str | Path) -> None:
         missing = [c for c in FORMAT_COLUMNS[format] if c not in row]
         if missing:
             raise DataError(f"row {label}: no field {missing[0]!r}, which the other rows ({format} format) have.")
+        # Image parts are checked when the rows are tokenized, where it is known whether a processor reads them.
         if format == "messages":
-            normalize_messages(row["messages"], label, "messages", need_assistant=True)
+            normalize_messages(row["messages"], label, "messages", need_assistant=True, allow_images=True)
             normalize_tools(row.get("tools"), label)
         elif format == "text":
             _string(row, "text", label)
         elif _is_conversation(row["prompt"]) or _is_conversation(row["completion"]):
-            normalize_messages(row["prompt"], label, "prompt", need_assistant=False)
-            normalize_messages(row["completion"], label, "completion", need_assistant=True)
+            normalize_messages(row["prompt"], label, "prompt", need_assistant=False, allow_images=True)
+            normalize_messages(row["completion"], label, "completion", need_assistant=True, allow_images=True)
             normalize_tools(row.get("tools"), label)
         else:
             _string(row, "prompt", label, allow_empty=True)

@@ -86,10 +86,9 @@ def get_processor(name_or_path: str, *, trust_remote_code: bool = False, revisio
         processor = get_image_only_processor_class(cls).from_pretrained(name_or_path, **kwargs)
         logger.warning(
             "hfacc: torchvision is not installed, so %s is loaded without its video processor (images only; "
-            "transformers' video processors need torchvision). (%s: %s)",
+            "transformers' video processors need torchvision, and AutoProcessor stops with %s).",
             cls.__name__,
             type(err).__name__,
-            str(err).splitlines()[0][:120],
         )
     tokenizer = get_text_tokenizer(processor)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:

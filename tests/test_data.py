@@ -324,9 +324,10 @@ def test_json_rows_with_tool_calls_reasoning_and_parts_validate_and_errors_name_
     )
     bad({"messages": REASONING, "tools": "[{oops"}, r"row 1 \(line 2 of chat.jsonl\), field 'tools': not valid JSON")
     bad({"messages": REASONING, "tools": [1, 2]}, r"field 'tools': expected a list of JSON schemas")
-    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    image = [{"type": "input_audio", "input_audio": {"data": "x"}}]  # image parts are for a processor to judge
     bad(
-        {"messages": [{"role": "user", "content": image}, REASONING[1]]}, r"content part 0: a part of type 'image_url'"
+        {"messages": [{"role": "user", "content": image}, REASONING[1]]},
+        r"content part 0: a part of type 'input_audio'",
     )
     bad(
         {"messages": [REASONING[0], {"role": "assistant"}]},

@@ -158,6 +158,17 @@ def test_images_given_in_their_parts_paths_or_bytes_give_the_same_rows(tmp_path)
     assert built_again[2]["images"] == built_again[1]["images"]
 
 
+def test_a_streamed_image_dataset_gives_the_same_examples():
+    """Streaming: each row is tokenized when read, with its image references, as the map-style build does."""
+    rows, dataset = built("gemma3")
+    stream = build_sft_dataset(datasets.IterableDataset.from_generator(lambda: iter(rows)), processor_for("gemma3"))
+    streamed = list(stream)
+    assert [e["input_ids"] for e in streamed] == dataset["input_ids"]
+    assert [e["labels"] for e in streamed] == dataset["labels"]
+    batch = collate("gemma3", streamed[:3])
+    assert torch.equal(batch["pixel_values"], collate("gemma3", examples_for("gemma3")[:3])["pixel_values"])
+
+
 # ---- exactness: every split, padding-free, packed, per family ---------------------------------------------------
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_split_and_padding_free_give_the_big_batch_update(tmp_path, family, monkeypatch, caplog):
@@ -363,6 +374,13 @@ def test_qwen_processor_loads_without_torchvision(tmp_path):
     rows, dataset = built("qwen2_5_vl")
     again = build_sft_dataset(datasets.Dataset.from_list(rows[:3]), loaded)
     assert again["input_ids"] == dataset["input_ids"][:3] and again["labels"] == dataset["labels"][:3]
+    # The recipe's loader (--model_name_or_path <VLM>) picks the model's image-text class and its processor.
+    from hfacc.modeling import ModelArguments, load_model_and_tokenizer
+
+    model_for("qwen2_5_vl").save_pretrained(tmp_path)
+    model, processor = load_model_and_tokenizer(ModelArguments(model_name_or_path=str(tmp_path)))
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    assert processor.image_processor.size == loaded.image_processor.size
 
 
 VLM = ["--embedded_model", "qwen2_5_vl", "--embedded_dataset", "shapes", "--embedded_hidden_size", "32"]
