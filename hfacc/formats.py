@@ -283,9 +283,10 @@ def _check_content(content: Any, where: str, allow_images: bool = False) -> None
             continue
         if kind in ("image", "image_url"):
             raise DataError(
-                f"{where}, content part {p}: an image, but this is a text tokenizer, with no image processor. Train "
-                "a vision-language model with its processor: build_sft_dataset(dataset, processor), the processor "
-                "from hfacc.get_processor(model name) or AutoProcessor (the recipe picks it from the model)."
+                f"{where}, content part {p}: an image, but the tokenizer (or processor) given has no image "
+                "processor. Train a vision-language model with its processor: build_sft_dataset(dataset, processor), "
+                "the processor from hfacc.get_processor(model name) or AutoProcessor (the recipe picks it from the "
+                "model)."
             )
         if kind is not None and kind != "text":
             raise DataError(

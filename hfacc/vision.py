@@ -57,9 +57,11 @@ def is_vision_processor(processing_class: Any) -> bool:
 
 
 def get_text_tokenizer(processing_class: Any):
-    """The tokenizer of a processor, or the tokenizer itself."""
+    """The tokenizer of a processor (any ``ProcessorMixin``), or the tokenizer itself."""
+    from transformers import ProcessorMixin
+
     inner = getattr(processing_class, "tokenizer", None)
-    return inner if inner is not None and hasattr(processing_class, "image_processor") else processing_class
+    return inner if inner is not None and isinstance(processing_class, ProcessorMixin) else processing_class
 
 
 def get_chat_template(processor) -> str | None:
@@ -144,6 +146,15 @@ def get_image_only_processor_class(cls: type) -> type:
 def get_image_token_ids(processor) -> set[int]:
     """Ids of every image and vision special token of the processor: placeholders, image soft tokens, begin/end of
     image or vision markers, tile markers. None of them is ever a target (their expansion spans are masked too)."""
+    if processor not in _IMAGE_TOKEN_IDS:  # read once per processor: rows are encoded one by one
+        _IMAGE_TOKEN_IDS[processor] = _find_image_token_ids(processor)
+    return _IMAGE_TOKEN_IDS[processor]
+
+
+_IMAGE_TOKEN_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _find_image_token_ids(processor) -> set[int]:
     tokenizer = get_text_tokenizer(processor)
     ids = set()
     for name in dir(processor):

@@ -221,8 +221,8 @@ def test_non_text_parts_are_refused_with_the_row():
     rows.append({"messages": [{"role": "user", "content": image}, {"role": "assistant", "content": text}]})
     with pytest.raises(
         DataError,
-        match=r"row 2, field 'messages', message 0, content part 0: an image, but this is a text tokenizer, with "
-        r"no image processor.*build_sft_dataset\(dataset, processor\)",
+        match=r"row 2, field 'messages', message 0, content part 0: an image, but the tokenizer \(or processor\) "
+        r"given has no image processor.*build_sft_dataset\(dataset, processor\)",
     ):
         build_sft_dataset(Dataset.from_list(rows), tokenizer)
     audio = [{"type": "audio", "audio": "a.wav"}, *text]
