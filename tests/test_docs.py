@@ -72,7 +72,7 @@ COMMANDS = {
     ),
     "accelerate launch recipes/sft.py --config recipes/configs/tiny-vlm.yaml": (
         "skip",
-        "the offline vision-language example (~3 min); tests/test_vision.py runs the same config shortened",
+        "the offline vision-language example (~2 min); tests/test_vision.py runs the same config shortened",
     ),
     "python -m pytest": ("skip", "the test suite itself (this test is part of it); CI runs it as written"),
     "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
