@@ -15,7 +15,7 @@ import torch
 from transformers import TrainingArguments
 
 from .loss import NORMALIZATIONS
-from .objective_choice import OBJECTIVES
+from .objectives import OBJECTIVES
 
 
 @dataclass
@@ -152,6 +152,23 @@ def as_token_weighted_arguments(args: TrainingArguments | None) -> TokenWeighted
 
 @functools.cache
 def _with_hfacc_settings(cls: type) -> type:
+    """``cls`` with hfacc's fields: a class made here at run time, which pickle cannot find by its name.
+
+    Its objects pickle as "this class made from ``cls``, with this state" (``cls`` itself pickles by name), so
+    ``torch.save(args)`` (every checkpoint's ``training_args.bin``) and ``torch.load`` in a fresh process work.
+    """
     if cls is TrainingArguments:
         return TokenWeightedArguments
-    return dataclass(type(f"TokenWeighted{cls.__name__}", (cls, TokenWeightedArguments), {}))
+    namespace = {"__reduce__": _reduce_converted, "__module__": __name__, "_hfacc_base": cls}
+    return dataclass(type(f"TokenWeighted{cls.__name__}", (cls, TokenWeightedArguments), namespace))
+
+
+def _reduce_converted(args):
+    return _rebuild_converted, (type(args)._hfacc_base, dict(args.__dict__))
+
+
+def _rebuild_converted(base: type, state: dict):
+    """The converted arguments of a ``base`` subclass, as pickled by :func:`_reduce_converted`."""
+    args = object.__new__(_with_hfacc_settings(base))
+    args.__dict__.update(state)
+    return args

@@ -361,20 +361,22 @@ def build_examples(args: DataArguments, tokenizer, count: int, start: int = 0, s
     return build_sft_dataset(example_rows(args, count, start, seed), tokenizer, **args.sft_options())
 
 
-def example_rows(args: DataArguments, count: int, start: int = 0, seed: int = 0):
-    """The raw rows behind :func:`build_examples` (a ``datasets.Dataset``)."""
+def example_rows(args: DataArguments, count: int, start: int = 0, seed: int = 0, in_order: bool = False):
+    """The raw rows behind :func:`build_examples` (a ``datasets.Dataset``). ``in_order``: rows ``start ..
+    start + count`` of the source itself, nothing held out (``hfacc show-mask``: example N is row N)."""
     rows = max(2 * (start + count), 16)
     raw, _ = load_sft_source(
         args.dataset_name,
         config=args.dataset_config,
         split=args.dataset_train_split,
         eval_fraction=0.5,
+        hold_out=not in_order,
         seed=seed,
         num_embedded=rows,
         max_examples=rows,
         embedded=args.embedded_dataset,
     )
-    return raw.select(range(min(start, len(raw)), min(len(raw), start + count)))
+    return raw.select(list(range(start, min(len(raw), start + count))))
 
 
 def build_stream_datasets(args, tokenizer, seed: int = 0):

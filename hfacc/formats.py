@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .chat import ChatTemplateError, get_assistant_spans
+from .chat import METHODS, ChatTemplateError, get_assistant_spans
 from .loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -109,19 +109,23 @@ def log_masking(methods: Sequence[str], unclosed: Sequence[int]) -> None:
     counts = Counter(m for m in methods if m)
     if counts:
         logger.info("hfacc: chat rows masked by %s.", ", ".join(f"{m} ({n} rows)" for m, n in counts.most_common()))
-    if counts.get("prefix renders"):
+    from_prefixes = counts[METHODS["prefix"]] + counts[METHODS["segments_and_prefix"]]
+    if from_prefixes:
         logger.warning(
-            "hfacc: %d chat rows were masked from prefix renders: the chat template's loops cannot be traced (it "
-            "iterates over indices or renders inside a macro). The masks were checked, but {%% generation %%} "
-            "markers in the template would make them certain.",
-            counts["prefix renders"],
+            "hfacc: %d chat rows were masked from prefix renders (in whole or in part): the chat template writes "
+            "assistant turns outside loops hfacc can trace (it iterates over indices, renders inside a macro, or "
+            "writes a turn after its loop). The masks were checked, but {%% generation %%} markers in the template "
+            "would make them certain.",
+            from_prefixes,
         )
     if sum(unclosed):
         logger.warning(
-            "hfacc: %d assistant turns end without an end-of-turn token to train: the chat template ends a turn "
-            "with the next message's role marker, and these turns end their conversation. A model trained on them "
-            "does not learn to stop there; end such conversations with a user message, or use a template that "
-            "closes assistant turns.",
+            "hfacc: %d assistant turns end without an end-of-turn token to train: where they end, the chat template "
+            "writes no special token (no end-of-turn marker of the turn, and none opening a next message or closing "
+            "the conversation). A model trained on them does not learn to stop there. Templates that end a turn with "
+            "the next message's role marker (GLM-4) leave a conversation's last turn open: end such conversations "
+            "with a user message. Templates that end turns with plain text (ChatQA, AmberChat) have no token to "
+            "train: use a template that closes assistant turns with a special token.",
             sum(unclosed),
         )
 
@@ -218,8 +222,13 @@ def normalize_messages(
     messages = []
     for j, m in enumerate(value):
         where = f"row {index}, field '{field}', message {j}"
-        if not isinstance(m, Mapping) or "role" not in m:
+        if not isinstance(m, Mapping):
             raise DataError(f"{where}: expected a dict with 'role' and 'content', got {m!r:.80}.")
+        if m.get("role") is None:  # missing, or None: Arrow fills the field a message lacks with None
+            raise DataError(
+                f"{where}: the message has no 'role' (got {dict(m)!r:.80}). Give every message a role, one of "
+                f"{list(ROLES)}."
+            )
         m = _drop_none(m)
         if m["role"] not in ROLES:
             raise DataError(f"{where}: unknown role {m['role']!r}; use one of {list(ROLES)}.")

@@ -50,14 +50,18 @@ class WindowCounts(NamedTuple):
     """What one accumulation window holds, summed over all data-parallel ranks.
 
     Args:
-        num_targets: targets (tokens, labels, ...) of the window: N in ``L = sum_j S_j / N``.
+        num_targets: targets (tokens, labels, pairs, ...: the objective's primary unit) of the window: N in
+            ``L = sum_j S_j / N``.
         num_sequences: sequences with at least one target (the denominator of ``normalization="sequence"``).
         num_micro_batches: micro-batches of the window on *one* rank (k; the last window of an epoch may be short).
+        units: every count the objective declares (``Objective.units``), in its order, summed likewise; the first
+            two are ``num_targets`` and ``num_sequences``. Objectives of several terms divide each by its own.
     """
 
     num_targets: int
     num_sequences: int
     num_micro_batches: int
+    units: tuple[int, ...] = ()
 
 
 def get_sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -266,10 +270,15 @@ def per_sequence_sums(
     return _per_row(values, correct.long(), ids.expand(mask.shape)[mask], n)
 
 
-def sums_per_row(sums: LossSums, position_ids: torch.Tensor) -> LossSums:
-    """Per-sequence sums of packed rows ``[B, T]`` (see :func:`get_sequence_ids`) added up per row: ``[B]``."""
+def sums_per_row(sums: LossSums | torch.Tensor, position_ids: torch.Tensor) -> LossSums | torch.Tensor:
+    """Per-sequence sums of packed rows ``[B, T]`` (see :func:`get_sequence_ids`) added up per row: ``[B]``.
+
+    ``sums`` is a :class:`LossSums` of ``[n]`` vectors, or one ``[n, ...]`` tensor (an objective's metric sums).
+    """
     per_row = get_sequence_starts(position_ids).sum(-1)
     rows = torch.repeat_interleave(torch.arange(len(per_row), device=per_row.device), per_row)
+    if torch.is_tensor(sums):
+        return sums.new_zeros(len(per_row), *sums.shape[1:]).index_add(0, rows, sums)
     return LossSums(*(x.new_zeros(len(per_row)).index_add(0, rows, x) for x in sums))
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from .config import ConfigError
 
 # The tiny Llama is built with the embedded default, which needs it; it is re-exported here with the other models.
 from .embedded import build_default_model, build_default_tokenizer
@@ -54,7 +57,16 @@ def get_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, revisio
     """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+    except (OSError, ValueError) as err:
+        if not Path(name_or_path).is_dir():
+            raise  # a Hub id: the console names the Hub failure and the settings behind it
+        raise ConfigError(
+            f"{name_or_path}: no tokenizer can be loaded from this folder (transformers: {type(err).__name__}). "
+            "Point --tokenizer_name_or_path (or --model_name_or_path) at a folder written by "
+            "tokenizer.save_pretrained()."
+        ) from err
     if tokenizer.pad_token is None:
         fallback = tokenizer.eos_token or tokenizer.unk_token
         if fallback is None:
@@ -142,6 +154,24 @@ class ModelArguments:
             raise ValueError(f"embedded_model={self.embedded_model!r}: use one of {list(EMBEDDED_MODELS)}.")
 
 
+def load_tokenizer(args: ModelArguments):
+    """The tokenizer of ``args`` alone (``tokenizer_name_or_path``, else the model's, else the embedded default's),
+    for tools that need no model (``hfacc show-mask``)."""
+    name = args.tokenizer_name_or_path or args.model_name_or_path
+    if name is None and args.embedded_model == "qwen2_5_vl":  # the embedded vision-language model's processor
+        from .embedded_vision import build_tiny_vlm
+
+        return build_tiny_vlm(args.embedded_hidden_size, args.embedded_num_layers)[1]
+    if name is None:
+        return build_default_tokenizer()
+    kwargs = {"trust_remote_code": args.trust_remote_code, "revision": args.model_revision}
+    try:
+        vision = is_vision_language_config(AutoConfig.from_pretrained(name, **kwargs))
+    except (OSError, ValueError):  # a folder holding only a tokenizer
+        vision = False
+    return get_processor(name, **kwargs) if vision else get_tokenizer(name, **kwargs)
+
+
 def load_model_and_tokenizer(args: ModelArguments, seed: int = 0):
     """The model and tokenizer of ``args``: from the hub or a local directory, or the embedded default.
 
@@ -154,22 +184,12 @@ def load_model_and_tokenizer(args: ModelArguments, seed: int = 0):
 
         model, tokenizer = build_tiny_vlm(args.embedded_hidden_size, args.embedded_num_layers, seed=seed)
     elif args.model_name_or_path is None:
-        tokenizer = (
-            get_tokenizer(args.tokenizer_name_or_path) if args.tokenizer_name_or_path else build_default_tokenizer()
-        )
+        tokenizer = load_tokenizer(args)
         model = build_default_model(
             tokenizer, hidden_size=args.embedded_hidden_size, num_layers=args.embedded_num_layers, seed=seed
         )
     else:
-        config = AutoConfig.from_pretrained(
-            args.model_name_or_path, trust_remote_code=args.trust_remote_code, revision=args.model_revision
-        )
-        load = get_processor if is_vision_language_config(config) else get_tokenizer
-        tokenizer = load(
-            args.tokenizer_name_or_path or args.model_name_or_path,
-            trust_remote_code=args.trust_remote_code,
-            revision=args.model_revision,
-        )
+        tokenizer = load_tokenizer(args)  # a vision-language model's processor (hfacc.vision)
         model = load_causal_lm(
             args.model_name_or_path,
             trust_remote_code=args.trust_remote_code,

@@ -17,7 +17,7 @@ takes no ``position_ids`` or reads positions differently falls back to the padde
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -35,12 +35,14 @@ from .multimodal import (
     takes_images,
     with_packed_positions,
 )
-from .objective import CausalLMObjective, Objective
+from .objectives import Objective
 
 logger = logging.getLogger(__name__)
 
 
-def remove_padding(batch: Mapping[str, Any], one_row: bool = True) -> dict[str, Any] | None:
+def remove_padding(
+    batch: Mapping[str, Any], one_row: bool = True, keep: Collection[str] = ()
+) -> dict[str, Any] | None:
     """The real tokens of a padded batch laid end to end; None when the batch cannot be laid out so.
 
     ``attention_mask`` ``[B, T]`` (right or left padding) says which positions are real. With ``one_row`` every
@@ -59,8 +61,10 @@ def remove_padding(batch: Mapping[str, Any], one_row: bool = True) -> dict[str, 
     None (keep the padded batch) when there is no 2-D ``attention_mask``, a row's real tokens are not one run
     (holes in the mask) or a row is empty, the batch has its own ``position_ids`` that do not count from each
     sequence's first token (left padding with absolute positions, 3-D rotary positions), or a tensor is not laid out
-    per token (per-example values). Image inputs (:data:`hfacc.multimodal.IMAGE_INPUT_KEYS`) are kept as they are:
-    the model gives image i's features to the i-th image in token order, so the rows keep the sequences in order.
+    per token (per-example values) — except the per-row entries named in ``keep`` (an objective's
+    ``row_keys``: advantages, reference log-probs), which are kept as they are, still indexed by original row
+    (``sequence_ids``). Image inputs (:data:`hfacc.multimodal.IMAGE_INPUT_KEYS`) are kept as they are too: the
+    model gives image i's features to the i-th image in token order, so the rows keep the sequences in order.
 
     >>> batch = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
     ...          "labels": torch.tensor([[5, 6, 7], [8, 9, -100]])}
@@ -114,8 +118,10 @@ def remove_padding(batch: Mapping[str, Any], one_row: bool = True) -> dict[str, 
     for key, value in batch.items():
         if key in ("attention_mask", "position_ids") or value is None:
             continue
-        if not torch.is_tensor(value) or key in IMAGE_INPUT_KEYS:
-            out[key] = value  # flags such as return_loss; images, in the order of their tokens (kept)
+        if not torch.is_tensor(value) or key in keep or key in IMAGE_INPUT_KEYS:
+            # flags such as return_loss; per-row values the objective reads by sequence_ids; images, in the order
+            # of their tokens
+            out[key] = value
         elif value.dim() >= 2 and tuple(value.shape[:2]) == shape:
             laid = value.flatten(0, 1).index_select(0, gather)
             fill = IGNORE_INDEX if key in ("labels", "shift_labels") else 0
@@ -142,8 +148,8 @@ def padding_free_problem(model: nn.Module, objective: Objective) -> str | None:
     """Why padding-free micro-batches do not apply to ``model``, judged without running it; None if they may."""
     base = get_base_model(model)
     config = getattr(base, "config", None)
-    if not isinstance(objective, CausalLMObjective):
-        return f"the objective is {objective.name!r}; padding-free applies to causal LMs"
+    if not objective.supports_padding_free:
+        return f"the objective {objective.name!r} does not support padding-free micro-batches (causal LMs do)"
     if getattr(config, "is_encoder_decoder", False):
         return f"{type(base).__name__} is an encoder-decoder"
     if getattr(objective, "num_virtual_tokens", 0):
@@ -229,17 +235,15 @@ def choose_padding_free(
     if problem is None:
         one_row = uses_one_row(model)
         problem = check_padding_free(model, batch, one_row)
-        if problem is None and takes_images(
-            model
-        ):  # a vision-language model: checked with real images (hfacc.multimodal)
-            problem = _image_problem(model, batch, one_row)
+        if problem is None and takes_images(model):
+            problem = _image_problem(model, batch, one_row)  # a vision-language model: with real images
         padding_free = all_ranks_agree(problem is None, accelerator)
     if padding_free:
         logger.info(
             "hfacc: padding-free micro-batches (%s): checked, logits match the padded run.",
             "one row" if one_row else "packed in rows as wide as the longest sequence",
         )
-    elif isinstance(objective, CausalLMObjective):
+    elif objective.supports_padding_free:
         logger.warning(
             "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
             problem or "another rank could not go padding-free",

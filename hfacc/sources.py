@@ -35,6 +35,7 @@ def load_sft_source(
     split: str = "train",
     eval_split: str | None = None,
     eval_fraction: float = 0.05,
+    hold_out: bool = True,
     max_examples: int | None = None,
     seed: int = 0,
     num_embedded: int = 4000,
@@ -45,7 +46,8 @@ def load_sft_source(
     ``name_or_path`` is a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file, a directory written by
     ``Dataset.save_to_disk``, a hub dataset name, or ``None`` for the embedded dataset (``embedded``: generated
     ``"instructions"``, or ``"shapes"``, pictures with questions for a vision-language model). Without an
-    ``eval_split``, a seeded ``eval_fraction`` of the examples is held out.
+    ``eval_split``, a seeded ``eval_fraction`` of the examples is held out; ``hold_out=False`` holds out none and
+    keeps the rows in order (the eval dataset is empty).
     """
     import datasets
 
@@ -81,12 +83,21 @@ def load_sft_source(
     data = data.add_column(SOURCE_ROW, list(range(len(data))))
     if held_out is not None:
         held_out = held_out.add_column(SOURCE_ROW, list(range(len(held_out))))
+    if held_out is None and not hold_out:
+        held_out = data.select([])  # every row, in its order (hfacc show-mask)
     if held_out is None:
         if not 0 < eval_fraction < 1:
             raise DataError(
                 f"eval_fraction={eval_fraction}: it must be between 0 and 1 (exclusive) without eval_split."
             )
-        parts = data.train_test_split(test_size=eval_fraction, seed=seed)
+        try:
+            parts = data.train_test_split(test_size=eval_fraction, seed=seed)
+        except ValueError as err:  # datasets: "the resulting train set will be empty"
+            raise DataError(
+                f"dataset {name_or_path or '(embedded)'}: {len(data)} row(s), too few to hold out "
+                f"eval_fraction={eval_fraction} of them for evaluation and train on the rest. Add rows, or give an "
+                "eval_split."
+            ) from err
         data, held_out = parts["train"], parts["test"]
     return data, held_out
 

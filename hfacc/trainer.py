@@ -38,18 +38,11 @@ from .distributed import (
     trim_repeated_examples,
     undo_evaluation_preparation,
 )
-from .function_objective import LossFunctionObjective
-from .loss import LossSums
-from .loss_path import choose_loss_path
 from .meter import LossMeter
+from .model_setup import ModelSetup, build_model_setup
 from .multimodal import IMAGE_COLUMN
-from .objective import (
-    CausalLMObjective,
-    ModelLossObjective,
-    Objective,
-)
-from .objective_choice import get_objective
-from .padding_free import choose_padding_free, remove_padding
+from .objectives import ModelLossObjective, Objective
+from .padding_free import remove_padding
 from .step_gate import NonFiniteLossError, StepGate
 from .streaming import (
     SFTStream,
@@ -108,11 +101,12 @@ class TokenWeightedTrainer(Trainer):
         if not self.label_names:
             self.label_names = ["labels"]
         self.window: Window | None = None  # the window of the optimizer step under way (hfacc/window.py)
+        # Every per-model decision (objective, layout, loss path, the objective's own), taken once before the first
+        # window (hfacc/model_setup.py).
+        self.model_setup: ModelSetup | None = None
         self._repeats_said = False
         self._eval_needs_logits = True  # evaluation_loop says when predictions are thrown away
         self._packing_checked = False
-        self.padding_free = False  # decided with the objective, on the first micro-batch
-        self.padding_free_one_row = True  # one row for variable-length attention kernels, else rows
         self.meter = LossMeter(self.args.device)
         self._stream_batches = self._stream_position = self._stream_resume = None  # a stream's reader, place, resume
         if self.args.audit_every_n_steps:  # the step gate runs it first, before a skip could drop the gradient
@@ -157,6 +151,8 @@ class TokenWeightedTrainer(Trainer):
         if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
             self._packing_checked = True
             require_packing_support(self.model, self._prepare_inputs(batch_samples[0]))
+        if self.model_setup is None and batch_samples:  # before the first window is counted
+            self.setup_model(batch_samples[0])
         first = self.window is None
         self.window = self.open_window(batch_samples, device, repeated, warn=first)
         return batch_samples, self.window.num_targets
@@ -169,55 +165,63 @@ class TokenWeightedTrainer(Trainer):
         batches = [b for j, b in enumerate(batch_samples) if j not in repeated]
         if warn:  # the first window
             warn_about_padding_labels(batches)
-        counts = count_window(lambda b: self.get_objective(b).count(b), batches, self.accelerator, device)
-        return Window(batches, counts, len(batch_samples), self.meter.zeros(), frozenset(repeated))
+        if self.model_setup is None and batches:
+            self.setup_model(batches[0])
+        objective = self.objective
+        units = len(objective.units) if objective is not None else 2
+        counts = count_window(objective.count if objective else None, batches, self.accelerator, device, units)
+        return Window(batches, counts, len(batch_samples), repeated=frozenset(repeated), dtype=self.meter.dtype)
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # Replaces the stock count (and its cross-rank gather) wherever the Trainer asks for it, e.g. in
         # `prediction_step`: hfacc computes its own counts and never hands `num_items_in_batch` to the model.
         return None
 
+    def setup_model(self, batch: Mapping[str, Any]) -> ModelSetup:
+        """Take every per-model decision once, from the first micro-batch (:func:`hfacc.model_setup.build_model_setup`):
+        the objective, the layout, the loss path and what the objective sets up itself."""
+        self.model_setup = build_model_setup(
+            self.model,
+            self._prepare_inputs(batch),
+            self.accelerator,
+            objective=self.objective if self.objective is not None else self._objective_setting,
+            padding_free=self.args.padding_free,
+            fused_loss=self.args.fused_loss,
+            normalization=self.args.normalization,
+            chunk_size=self.args.loss_chunk_size,
+            label_smoothing=self.args.label_smoothing_factor,
+            compute_loss_func=self.compute_loss_func,
+            args=self.args,
+            trainer=self,
+        )
+        self.objective = self.model_setup.objective
+        return self.model_setup
+
     def get_objective(self, batch: Mapping[str, Any]) -> Objective:
-        """The objective, resolved from the model and the first batch it sees."""
-        if self.objective is None:
-            self.objective = get_objective(
-                self.model, batch, name=self._objective_setting, label_smoothing=self.args.label_smoothing_factor
-            )
-            if self.compute_loss_func is not None:
-                # The user's loss, with hfacc's count of the targets: exact if it divides by num_items_in_batch.
-                # Padded micro-batches: the user's function shifts the labels itself, across any packed boundary.
-                self.objective = LossFunctionObjective(self.compute_loss_func, counter=self.objective)
-            elif self.args.padding_free:
-                self.padding_free, self.padding_free_one_row = choose_padding_free(
-                    self.objective, self.model, self._prepare_inputs(batch), self.accelerator
-                )
-            if isinstance(self.objective, CausalLMObjective):
-                problem = choose_loss_path(
-                    self.objective,
-                    self.model,
-                    self._prepare_inputs(batch),
-                    self.accelerator,
-                    fused_loss=self.args.fused_loss,
-                    normalization=self.args.normalization,
-                    chunk_size=self.args.loss_chunk_size,
-                )
-                if self.objective.fused:
-                    logger.info("hfacc: fused chunked cross-entropy: the full logits are never materialized.")
-                elif self.args.fused_loss:
-                    logger.warning("hfacc: plain loss path (full logits): %s.", problem)
-            logger.info("hfacc: objective %s, normalization %r", self.objective, self.args.normalization)
-            if isinstance(self.objective, ModelLossObjective) and self.args.normalization != "micro_batch":
-                logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
+        """The objective; the per-model setup runs first if no window has run it yet (e.g. ``evaluate()`` first)."""
+        if self.model_setup is None:
+            self.setup_model(batch)
         return self.objective
+
+    @property
+    def padding_free(self) -> bool:
+        """Whether micro-batches are laid out without their padding (decided by the per-model setup)."""
+        return self.model_setup is not None and self.model_setup.padding_free
 
     def _set_signature_columns_if_needed(self) -> None:
         # hfacc reads sequence boundaries from these even when the model's forward does not take them (Bloom): a
         # packed dataset whose position_ids were dropped as unused would silently let its sequences attend to each
-        # other. The packing check then refuses such a model.
+        # other. The packing check then refuses such a model. An objective given as an instance names the columns
+        # it reads itself (Objective.columns).
         super()._set_signature_columns_if_needed()
-        self._signature_columns += [c for c in ("position_ids", "seq_lengths") if c not in self._signature_columns]
         # And the image references DataCollatorForVisionLM decodes (hfacc.vision): the model takes pixels, not them.
-        self._signature_columns += [IMAGE_COLUMN] if IMAGE_COLUMN not in self._signature_columns else []
+        wanted = (
+            "position_ids",
+            "seq_lengths",
+            IMAGE_COLUMN,
+            *(self.objective.columns if self.objective is not None else ()),
+        )
+        self._signature_columns += [c for c in wanted if c not in self._signature_columns]
 
     # ---- the loss: once per micro-batch ---------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -228,11 +232,11 @@ class TokenWeightedTrainer(Trainer):
         """
         objective = self.get_objective(inputs)
         packed = is_packed(inputs)
-        if not model.training and isinstance(objective, CausalLMObjective):
+        if not model.training and objective.supports_fused:
             # The fused path returns loss sums where the logits would be: only when nobody reads the logits.
             objective.fused_in_eval = not self._eval_needs_logits
         if self.padding_free and (model.training or objective.fused_in_eval):  # eval: unless logits are wanted
-            inputs = remove_padding(inputs, self.padding_free_one_row) or inputs
+            inputs = remove_padding(inputs, self.model_setup.one_row, keep=objective.row_keys) or inputs
         if model.training:
             if self.window is None or self.window.left <= 0:
                 # compute_loss called outside the Trainer's loop (e.g. a user's own `training_step` call): the
@@ -245,13 +249,13 @@ class TokenWeightedTrainer(Trainer):
                 objective, model, inputs, window.counts, normalization=self.args.normalization, world_size=world
             )
             if repeated:  # only examples accelerate repeated: run for the all-reduce, contribute nothing
-                loss, sums = loss * 0, LossSums(*(torch.zeros_like(t) for t in sums))
-            window.stage(sums)
+                loss, sums = loss * 0, objective.zero_sums(sums)
+            window.stage(objective.metric_sums(sums))
             if self.is_deepspeed_enabled and self.step_gate.deepspeed_skips_steps:
                 loss = mark_for_deepspeed_skip(loss, self.args.skip_nonfinite_steps, skip=window.num_targets == 0)
         else:
             outputs, sums = self.meter.add_evaluation_batch(objective, model, inputs, packed, self.accelerator)
-            loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
+            loss = objective.mean_loss(sums)
         if not return_outputs:
             return loss
         if not isinstance(objective, ModelLossObjective):  # that one gave the labels to the model: its own loss leads
@@ -265,9 +269,9 @@ class TokenWeightedTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Replace the Trainer's mean of micro-batch means by the exact token-weighted values."""
         if "loss" in logs:
-            logs.update(self.meter.interval_logs(self.accelerator, self._has_accuracy()))
+            logs.update(self.meter.interval_logs(self.accelerator, self.objective))
         if "train_loss" in logs:
-            logs.update(self.meter.run_logs(self.accelerator, self._has_accuracy()))
+            logs.update(self.meter.run_logs(self.accelerator, self.objective))
         super().log(logs, start_time)
 
     def evaluation_loop(
@@ -289,11 +293,7 @@ class TokenWeightedTrainer(Trainer):
             self._eval_needs_logits = True
         totals = self.meter.eval_totals(self.accelerator)
         if totals is not None:
-            loss_sum, count, correct = totals
-            output.metrics[f"{metric_key_prefix}_loss"] = loss_sum / max(count, 1)
-            output.metrics[f"{metric_key_prefix}_num_targets"] = int(count)
-            if self._has_accuracy():
-                output.metrics[f"{metric_key_prefix}_token_accuracy"] = correct / max(count, 1)
+            output.metrics.update(self.objective.metric_logs(totals, prefix=f"{metric_key_prefix}_"))
         return output
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
@@ -333,9 +333,6 @@ class TokenWeightedTrainer(Trainer):
         self.accelerator.wait_for_everyone()
         if self.args.should_save:
             complete_checkpoint(self._get_output_dir(trial=trial), self.state, limit)
-
-    def _has_accuracy(self) -> bool:
-        return self.objective is not None and self.objective.has_accuracy
 
 
 # Also importable from here, where they lived before (hfacc.trainer.TokenWeightedArguments, ...).

@@ -9,7 +9,7 @@ import torch
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
 from hfacc.batching import TokenBudgetBatchSampler, check_packing, pack_examples
 from hfacc.loss import shift_labels
-from hfacc.objective import CausalLMObjective
+from hfacc.objectives import CausalLMObjective
 from tests.helpers import VOCAB, full_batch_causal_lm, make_examples, relative_error, run_trainer, train_args
 
 COLLATE = DataCollatorForCausalLM(pad_token_id=0)

@@ -8,7 +8,7 @@ import transformers as T
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
 from hfacc.loss import shift_labels
-from hfacc.objective import CausalLMObjective, SequenceClassificationObjective
+from hfacc.objectives import CausalLMObjective, SequenceClassificationObjective
 from hfacc.padding_free import check_padding_free, padding_free_problem, remove_padding, uses_one_row
 from tests.helpers import (
     VOCAB,
@@ -281,7 +281,7 @@ def test_models_that_cannot_go_padding_free_train_padded_and_say_so_once(tmp_pat
 
 def test_heads_other_than_causal_lm_and_the_setting(tmp_path, caplog):
     model = build_tiny_llama(vocab_size=VOCAB)
-    assert "padding-free applies to causal LMs" in padding_free_problem(model, SequenceClassificationObjective())
+    assert "does not support padding-free" in padding_free_problem(model, SequenceClassificationObjective())
     assert padding_free_problem(model, CausalLMObjective()) is None
     examples = make_examples(4, seed=9)
     args = train_args(tmp_path, 4, 1, args_class=TokenWeightedArguments, padding_free=False)
