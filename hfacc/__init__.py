@@ -35,6 +35,7 @@ from .objectives import (
 from .step_gate import NonFiniteLossError
 from .trainer import TokenWeightedTrainer
 from .verify import verify_accumulation
+from .vision import DataCollatorForVisionLM, get_processor
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,8 @@ __all__ = [
     "load_sft_source",
     "DataArguments",
     "DataCollatorForCausalLM",
+    "DataCollatorForVisionLM",
+    "get_processor",
     "TokenBudgetBatchSampler",
     "pack_examples",
     "pack_dataset",

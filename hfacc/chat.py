@@ -91,15 +91,20 @@ class Rendering:
 
 
 def get_assistant_spans(
-    tokenizer, messages: list[dict], trainable: Sequence[int], tools: list[dict] | None = None
+    tokenizer,
+    messages: list[dict],
+    trainable: Sequence[int],
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
 ) -> AssistantSpans:
     """Render ``messages`` with the tokenizer's chat template; return the text and the spans of ``trainable`` turns.
 
     ``messages`` are plain dicts (see :func:`hfacc.data.normalize_messages`); ``trainable`` are indices of assistant
     messages. The method is described in this module's docstring. Raises :class:`ChatTemplateError` when the
-    template's output cannot be attributed to messages.
+    template's output cannot be attributed to messages. ``chat_template`` renders instead of the tokenizer's own (a
+    vision-language processor's template, :mod:`hfacc.vision`).
     """
-    renderer = get_renderer(tokenizer, tools)
+    renderer = get_renderer(tokenizer, tools, chat_template)
     messages = renderer.adapt_content(messages)
     full = renderer.render(messages, tools)
     if full is None or not renderer.same_as_reference(full.text, messages, tools):
@@ -123,9 +128,10 @@ def get_assistant_spans(
     return AssistantSpans(full.text, spans, METHODS[method], unclosed)
 
 
-def get_renderer(tokenizer, tools=None) -> ChatRenderer:
-    """The (cached) renderer of the template ``apply_chat_template`` would use for these tools."""
-    template = tokenizer.get_chat_template(None, tools)
+def get_renderer(tokenizer, tools=None, chat_template: str | None = None) -> ChatRenderer:
+    """The (cached) renderer of the template ``apply_chat_template`` would use for these tools (or of
+    ``chat_template``, given)."""
+    template = chat_template or tokenizer.get_chat_template(None, tools)
     per_tokenizer = _RENDERERS.setdefault(tokenizer, {})
     if template not in per_tokenizer:
         per_tokenizer[template] = ChatRenderer(tokenizer, template)
@@ -221,6 +227,10 @@ class ChatRenderer:
         for message in messages:
             content = message.get("content")
             if self.content_mode == "string" and isinstance(content, list):
+                if any(part.get("type") != "text" for part in content):  # an image part (hfacc.vision)
+                    raise ChatTemplateError(
+                        "the chat template reads message content as a string, so it has no place for an image part"
+                    )
                 message = {**message, "content": "".join(part["text"] for part in content)}
             elif self.content_mode == "parts" and isinstance(content, str):
                 message = {**message, "content": [{"type": "text", "text": content}]}

@@ -109,7 +109,8 @@ def shift_labels(
     padding (``attention_mask == 0``, 2-D) is never a target nor a predictor: the last real token does not learn to
     predict the padding after it, and a left-padded sequence's first token is not predicted from the padding before it.
     So a target is a label != ``ignore_index`` after this shift, however the sequences were laid out (padded right
-    or left, packed, or concatenated into one row): the same sequences always give the same targets. Shifting the
+    or left, packed, or concatenated into one row): the same sequences always give the same targets. Multimodal
+    rotary positions of packed rows (``[4, B, T]``, Qwen2-VL family) say it with their first channel, the text one. Shifting the
     labels instead of the logits keeps the logits a view (no copy of a ``[B, T, V]`` tensor).
 
     >>> shift_labels(torch.tensor([[-100, -100, 7, 8]]))
@@ -119,6 +120,11 @@ def shift_labels(
     """
     out = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
     no_target = None
+    if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        # Multimodal rotary positions of packed rows, [4, B, T] (Qwen2-VL family, hfacc.multimodal): the first
+        # channel is the text position, from which transformers keeps the sequences apart. (With 3 channels it
+        # finds no sequences in a row, and neither does the shift.)
+        position_ids = position_ids[0]
     if position_ids is not None and position_ids.dim() <= 2 and position_ids.shape[-1] == labels.shape[-1]:
         starts = get_sequence_starts(position_ids.expand(labels.shape))
         no_target = F.pad(starts[..., 1:], (0, 1), value=True)  # the next position begins another sequence

@@ -27,6 +27,14 @@ from .batching import best_fit_decreasing, position_ids_problem
 from .distributed import all_ranks_agree
 from .loss import IGNORE_INDEX
 from .model_io import get_base_model, get_logits
+from .multimodal import (
+    IMAGE_INPUT_KEYS,
+    check_image_layout,
+    get_image_inputs,
+    get_ordered_rows,
+    takes_images,
+    with_packed_positions,
+)
 from .objectives import Objective
 
 logger = logging.getLogger(__name__)
@@ -53,9 +61,10 @@ def remove_padding(
     None (keep the padded batch) when there is no 2-D ``attention_mask``, a row's real tokens are not one run
     (holes in the mask) or a row is empty, the batch has its own ``position_ids`` that do not count from each
     sequence's first token (left padding with absolute positions, 3-D rotary positions), or a tensor is not laid out
-    per token (images, per-example values) — except the per-row entries named in ``keep`` (an objective's
+    per token (per-example values) — except the per-row entries named in ``keep`` (an objective's
     ``row_keys``: advantages, reference log-probs), which are kept as they are, still indexed by original row
-    (``sequence_ids``).
+    (``sequence_ids``). Image inputs (:data:`hfacc.multimodal.IMAGE_INPUT_KEYS`) are kept as they are too: the
+    model gives image i's features to the i-th image in token order, so the rows keep the sequences in order.
 
     >>> batch = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
     ...          "labels": torch.tensor([[5, 6, 7], [8, 9, -100]])}
@@ -85,7 +94,8 @@ def remove_padding(
         rows, width = [list(range(shape[0]))], sum(lengths)
     else:
         width = max(lengths)
-        rows = best_fit_decreasing(lengths, width)
+        # With images, in order (hfacc.multimodal): image features are matched to image tokens by their order.
+        rows = get_ordered_rows(lengths, width) if get_image_inputs(batch) else best_fit_decreasing(lengths, width)
     # For every output position: the flat index of its token in the padded batch (-1: filler), its position in its
     # sequence, and its original row (-1: filler).
     index, positions, owner = [], [], []
@@ -108,8 +118,10 @@ def remove_padding(
     for key, value in batch.items():
         if key in ("attention_mask", "position_ids") or value is None:
             continue
-        if not torch.is_tensor(value) or key in keep:
-            out[key] = value  # flags such as return_loss; per-row values the objective reads by sequence_ids
+        if not torch.is_tensor(value) or key in keep or key in IMAGE_INPUT_KEYS:
+            # flags such as return_loss; per-row values the objective reads by sequence_ids; images, in the order
+            # of their tokens
+            out[key] = value
         elif value.dim() >= 2 and tuple(value.shape[:2]) == shape:
             laid = value.flatten(0, 1).index_select(0, gather)
             fill = IGNORE_INDEX if key in ("labels", "shift_labels") else 0
@@ -192,6 +204,7 @@ def check_padding_free(
     try:
         reference = get_logits(model(**padded, use_cache=False)).float()[padded_mask.bool()]
         laid = {k: v for k, v in row.items() if k not in ("sequence_ids", "num_sequences")}
+        laid = with_packed_positions(model, laid)  # hfacc.multimodal: mrope models see the sequences too
         logits = get_logits(model(**laid, use_cache=False)).float()
         # Back to the padded order: the real positions of original row b are those with sequence_ids == b.
         owner = row["sequence_ids"].flatten()
@@ -222,6 +235,8 @@ def choose_padding_free(
     if problem is None:
         one_row = uses_one_row(model)
         problem = check_padding_free(model, batch, one_row)
+        if problem is None and takes_images(model):
+            problem = _image_problem(model, batch, one_row)  # a vision-language model: with real images
         padding_free = all_ranks_agree(problem is None, accelerator)
     if padding_free:
         logger.info(
@@ -236,3 +251,11 @@ def choose_padding_free(
     else:
         logger.info("hfacc: padded micro-batches: %s.", problem)
     return padding_free, one_row
+
+
+def _image_problem(model: nn.Module, batch: Mapping[str, Any], one_row: bool) -> str | None:
+    """Why a vision-language model's micro-batches with images stay padded (the first one's images run both ways),
+    or None. Without images in the first micro-batch there is nothing to check them with: padded."""
+    if not get_image_inputs(batch):
+        return "the first micro-batch has no images to check the padding-free layout of images with"
+    return check_image_layout(model, batch, remove_padding(batch, one_row))

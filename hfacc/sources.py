@@ -39,20 +39,20 @@ def load_sft_source(
     max_examples: int | None = None,
     seed: int = 0,
     num_embedded: int = 4000,
+    embedded: str = "instructions",
 ):
     """Load raw SFT data and return ``(train, eval)`` ``datasets.Dataset`` s.
 
     ``name_or_path`` is a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file, a directory written by
-    ``Dataset.save_to_disk``, a hub dataset name, or ``None`` for the embedded instruction dataset. Without an
+    ``Dataset.save_to_disk``, a hub dataset name, or ``None`` for the embedded dataset (``embedded``: generated
+    ``"instructions"``, or ``"shapes"``, pictures with questions for a vision-language model). Without an
     ``eval_split``, a seeded ``eval_fraction`` of the examples is held out; ``hold_out=False`` holds out none and
     keeps the rows in order (the eval dataset is empty).
     """
     import datasets
 
     if name_or_path is None:
-        from .embedded import generate_instruction_examples
-
-        data = datasets.Dataset.from_list(generate_instruction_examples(num_embedded, seed=seed))
+        data = datasets.Dataset.from_list(generate_embedded_rows(embedded, num_embedded, seed))
         held_out = None
     else:
         path = Path(name_or_path)
@@ -199,6 +199,23 @@ def _csv_problem(path: Path) -> str | None:
     return None
 
 
+EMBEDDED_DATASETS = ("instructions", "shapes")
+
+
+def generate_embedded_rows(kind: str, n: int, seed: int) -> list[dict]:
+    """The embedded dataset's rows: generated ``"instructions"`` (:mod:`hfacc.embedded`) or ``"shapes"``
+    (:mod:`hfacc.embedded_vision`)."""
+    if kind == "shapes":
+        from .embedded_vision import generate_shape_examples
+
+        return generate_shape_examples(n, seed=seed)
+    if kind != "instructions":
+        raise DataError(f"embedded_dataset={kind!r}: use one of {list(EMBEDDED_DATASETS)}.")
+    from .embedded import generate_instruction_examples
+
+    return generate_instruction_examples(n, seed=seed)
+
+
 def validate_json_file(path: str | Path) -> None:
     """Parse a .json/.jsonl file with Python's json and check every row's fields; DataError names row and line."""
     path = Path(path)
@@ -231,14 +248,15 @@ def validate_json_file(path: str | Path) -> None:
         missing = [c for c in FORMAT_COLUMNS[format] if c not in row]
         if missing:
             raise DataError(f"row {label}: no field {missing[0]!r}, which the other rows ({format} format) have.")
+        # Image parts are checked when the rows are tokenized, where it is known whether a processor reads them.
         if format == "messages":
-            normalize_messages(row["messages"], label, "messages", need_assistant=True)
+            normalize_messages(row["messages"], label, "messages", need_assistant=True, allow_images=True)
             normalize_tools(row.get("tools"), label)
         elif format == "text":
             _string(row, "text", label)
         elif _is_conversation(row["prompt"]) or _is_conversation(row["completion"]):
-            normalize_messages(row["prompt"], label, "prompt", need_assistant=False)
-            normalize_messages(row["completion"], label, "completion", need_assistant=True)
+            normalize_messages(row["prompt"], label, "prompt", need_assistant=False, allow_images=True)
+            normalize_messages(row["completion"], label, "completion", need_assistant=True, allow_images=True)
             normalize_tools(row.get("tools"), label)
         else:
             _string(row, "prompt", label, allow_empty=True)
@@ -270,12 +288,10 @@ def load_stream_source(args, seed: int = 0):
     name = args.dataset_name
     held_out = None
     if name is None:
-        from .embedded import generate_instruction_examples
-
-        count = args.num_embedded_examples
+        count, kind = args.num_embedded_examples, args.embedded_dataset
 
         def embedded_rows():
-            yield from generate_instruction_examples(count, seed=seed)
+            yield from generate_embedded_rows(kind, count, seed)
 
         source = datasets.IterableDataset.from_generator(embedded_rows)
     else:

@@ -44,6 +44,7 @@ from .formats import (
 )
 from .loss import IGNORE_INDEX
 from .sources import SOURCE_ROW, describe_read_failure
+from .vision import IMAGE_COLUMN, encode_vision_row, get_chat_template, get_text_tokenizer, is_vision_processor
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +87,16 @@ def build_sft_stream(
     if missing:
         raise DataError(f"format={format!r} needs the column(s) {missing}; the stream has {list(columns)}.")
     chat = format == "messages" or (format == "prompt_completion" and _is_conversation(first["prompt"]))
-    if chat and not getattr(tokenizer, "chat_template", None):
+    # A vision-language processor (hfacc.vision): its template renders, its tokenizer tokenizes.
+    vision, processor, tokenizer = is_vision_processor(tokenizer), tokenizer, get_text_tokenizer(tokenizer)
+    if chat and not (get_chat_template(processor) if vision else getattr(tokenizer, "chat_template", None)):
         raise DataError(
             "Chat data needs a tokenizer with a chat template, and this one has none. Use the tokenizer of an "
             "instruct/chat model, or set one: tokenizer.chat_template = '<jinja template>'."
         )
     if tokenizer.eos_token_id is None:
         raise DataError("The tokenizer has no eos_token; set tokenizer.eos_token so completions can end.")
-    stream = SFTStream(source, tokenizer, format, max_length, last_turn_only, truncation, buffer_size)
+    stream = SFTStream(source, processor, format, max_length, last_turn_only, truncation, buffer_size)
     stream.data_files = list(data_files or [])
     return stream
 
@@ -139,7 +142,13 @@ class SFTStream(torch.utils.data.IterableDataset):
 
     def encode(self, row: Mapping[str, Any], where: str) -> dict[str, list[int]] | None:
         """One raw row as a training example; None (counted) when it has no target or is dropped as too long."""
-        ids, labels, _, _ = encode_row(self.tokenizer, row, where, self.format, last_turn_only=self.last_turn_only)
+        images, image_end = None, 0
+        if is_vision_processor(self.tokenizer):  # image chat: the example keeps its image references
+            ids, labels, _, _, images, image_end = encode_vision_row(
+                self.tokenizer, row, where, self.format, last_turn_only=self.last_turn_only
+            )
+        else:
+            ids, labels, _, _ = encode_row(self.tokenizer, row, where, self.format, last_turn_only=self.last_turn_only)
         if self.max_length is not None and len(ids) > self.max_length:
             if self.truncation == "error":
                 raise DataError(
@@ -149,6 +158,8 @@ class SFTStream(torch.utils.data.IterableDataset):
             self.truncated += 1
             if self.truncation == "drop":
                 return self._drop(where, f"it has {len(ids)} tokens, more than max_length={self.max_length}")
+            if image_end > self.max_length:  # the model needs all of an image's tokens or none
+                return self._drop(where, f"max_length={self.max_length} would cut through an image's tokens")
             if _worth_saying(self.truncated):  # as the map-style path counts them, without a total to give
                 logger.warning(
                     "hfacc: row %s has %d tokens, more than max_length=%d: its end is cut (%d rows so far).",
@@ -160,7 +171,10 @@ class SFTStream(torch.utils.data.IterableDataset):
             ids, labels = ids[: self.max_length], labels[: self.max_length]
         if not any(y != IGNORE_INDEX for y in labels[1:]):
             return self._drop(where, "it has no target token (after truncation)")
-        return {"input_ids": list(ids), "attention_mask": [1] * len(ids), "labels": labels}
+        example = {"input_ids": list(ids), "attention_mask": [1] * len(ids), "labels": labels}
+        if images is not None:
+            example[IMAGE_COLUMN] = images  # decoded by hfacc.DataCollatorForVisionLM when the batch is made
+        return example
 
     def _drop(self, where: str, why: str) -> None:
         self.dropped += 1

@@ -59,6 +59,7 @@ from .distributed import (
 from .hashing import hashing_writes, relative_digests
 from .meter import LossMeter
 from .model_setup import ModelSetup, build_model_setup
+from .multimodal import IMAGE_COLUMN
 from .objectives import ModelLossObjective, Objective
 from .padding_free import remove_padding
 from .step_gate import NonFiniteLossError, StepGate
@@ -272,7 +273,13 @@ class TokenWeightedTrainer(Trainer):
         # other. The packing check then refuses such a model. An objective given as an instance names the columns
         # it reads itself (Objective.columns).
         super()._set_signature_columns_if_needed()
-        wanted = ("position_ids", "seq_lengths", *(self.objective.columns if self.objective is not None else ()))
+        # And the image references DataCollatorForVisionLM decodes (hfacc.vision): the model takes pixels, not them.
+        wanted = (
+            "position_ids",
+            "seq_lengths",
+            IMAGE_COLUMN,
+            *(self.objective.columns if self.objective is not None else ()),
+        )
         self._signature_columns += [c for c in wanted if c not in self._signature_columns]
 
     # ---- the loss: once per micro-batch ---------------------------------------------------------------------

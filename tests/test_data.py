@@ -221,9 +221,13 @@ def test_non_text_parts_are_refused_with_the_row():
     rows.append({"messages": [{"role": "user", "content": image}, {"role": "assistant", "content": text}]})
     with pytest.raises(
         DataError,
-        match=r"row 2, field 'messages', message 0, content part 0: a part of type 'image'.*"
-        r"multimodal training is not supported",
+        match=r"row 2, field 'messages', message 0, content part 0: an image, but the tokenizer \(or processor\) "
+        r"given has no image processor.*build_sft_dataset\(dataset, processor\)",
     ):
+        build_sft_dataset(Dataset.from_list(rows), tokenizer)
+    audio = [{"type": "audio", "audio": "a.wav"}, *text]
+    rows[2] = {"messages": [{"role": "user", "content": audio}, {"role": "assistant", "content": text}]}
+    with pytest.raises(DataError, match=r"content part 0: a part of type 'audio'. hfacc trains on text and images"):
         build_sft_dataset(Dataset.from_list(rows), tokenizer)
 
 
@@ -320,9 +324,10 @@ def test_json_rows_with_tool_calls_reasoning_and_parts_validate_and_errors_name_
     )
     bad({"messages": REASONING, "tools": "[{oops"}, r"row 1 \(line 2 of chat.jsonl\), field 'tools': not valid JSON")
     bad({"messages": REASONING, "tools": [1, 2]}, r"field 'tools': expected a list of JSON schemas")
-    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    image = [{"type": "input_audio", "input_audio": {"data": "x"}}]  # image parts are for a processor to judge
     bad(
-        {"messages": [{"role": "user", "content": image}, REASONING[1]]}, r"content part 0: a part of type 'image_url'"
+        {"messages": [{"role": "user", "content": image}, REASONING[1]]},
+        r"content part 0: a part of type 'input_audio'",
     )
     bad(
         {"messages": [REASONING[0], {"role": "assistant"}]},

@@ -78,7 +78,9 @@ def test_batches_that_cannot_be_laid_out_in_one_row_stay_padded():
     empty = {**batch, "attention_mask": batch["attention_mask"].clone()}
     empty["attention_mask"][1] = 0
     assert remove_padding(empty) is None
-    assert remove_padding({**batch, "pixel_values": torch.zeros(3, 3, 8, 8)}) is None
+    assert remove_padding({**batch, "per_example_weights": torch.zeros(3, 3, 8, 8)}) is None
+    # Images are not per token either, but the model takes them in the order of their tokens: kept (test_vision.py).
+    assert remove_padding({**batch, "pixel_values": torch.zeros(3, 3, 8, 8)})["pixel_values"].shape == (3, 3, 8, 8)
     # Positions of its own that do not count from each sequence's first token (left padding, absolute positions).
     left = left_pad(make_examples(3, seed=2))
     arange = torch.arange(left["input_ids"].shape[1]).expand_as(left["input_ids"])

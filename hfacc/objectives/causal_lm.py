@@ -13,6 +13,7 @@ from torch import nn
 from ..fused_loss import FusedOutputHead, fused_loss_problem, swap_output_head
 from ..loss import IGNORE_INDEX, cross_entropy_sums, get_sequence_ids, per_sequence_sums, shift_labels
 from ..model_io import get_base_model, get_logits, model_inputs, packed_position_ids
+from ..multimodal import with_packed_positions
 from .base import Objective
 
 
@@ -61,6 +62,7 @@ class CausalLMObjective(Objective):
         inputs = model_inputs(batch)
         if packed_position_ids(inputs) is not None:
             inputs["use_cache"] = False
+            inputs = with_packed_positions(model, inputs)  # hfacc.multimodal: mrope positions per sequence (Qwen2-VL)
         targets = self._targets(batch)
         sequences = get_batch_sequences(batch, targets.shape) if per_sequence else None
         if self.fused and (model.training or self.fused_in_eval) and not (per_sequence and torch.is_grad_enabled()):
