@@ -229,10 +229,8 @@ def choose_padding_free(
     if problem is None:
         one_row = uses_one_row(model)
         problem = check_padding_free(model, batch, one_row)
-        if problem is None and takes_images(
-            model
-        ):  # a vision-language model: checked with real images (hfacc.multimodal)
-            problem = _image_problem(model, batch, one_row)
+        if problem is None and takes_images(model):
+            problem = _image_problem(model, batch, one_row)  # a vision-language model: with real images
         padding_free = all_ranks_agree(problem is None, accelerator)
     if padding_free:
         logger.info(
