@@ -110,8 +110,9 @@ def shift_labels(
     predict the padding after it, and a left-padded sequence's first token is not predicted from the padding before it.
     So a target is a label != ``ignore_index`` after this shift, however the sequences were laid out (padded right
     or left, packed, or concatenated into one row): the same sequences always give the same targets. Multimodal
-    rotary positions of packed rows (``[4, B, T]``, Qwen2-VL family) say it with their first channel, the text one. Shifting the
-    labels instead of the logits keeps the logits a view (no copy of a ``[B, T, V]`` tensor).
+    rotary positions of packed rows (``[4, B, T]``, Qwen2-VL family) say where sequences start with their first
+    channel, the text one. Shifting the labels instead of the logits keeps the logits a view (no copy of a
+    ``[B, T, V]`` tensor).
 
     >>> shift_labels(torch.tensor([[-100, -100, 7, 8]]))
     tensor([[-100,    7,    8, -100]])
