@@ -320,6 +320,8 @@ def bad_rows(tmp_path, case):
         return [{**row, "messages": messages}]
     if case == "a URL offline":
         return [{**row, "images": ["https://hfacc.invalid/circle.png"]}]
+    if case == "an image the processor refuses":  # before: Qwen2-VL's raw ValueError (a traceback in the recipe)
+        return [{**row, "images": [Image.new("RGB", (1, 300), "red")]}]
     raise ValueError(case)
 
 
@@ -331,6 +333,8 @@ BAD = {
     "more images than placeholders": r"row 0: 2 image\(s\) in the 'images' column but only 1 image part",
     "a literal placeholder in the text": r"row 0: the chat template wrote 2 image placeholder\(s\) '<\|image_pad\|>' for 1",
     "a URL offline": r"row 0, image 0: the image https://hfacc.invalid/circle.png cannot be downloaded",
+    "an image the processor refuses": r"row 0, image 0: .*Processor cannot process an image of 1x300 pixels "
+    r"\(absolute aspect ratio must be smaller than 200",
 }
 
 
