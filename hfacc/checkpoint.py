@@ -42,29 +42,47 @@ SMALL_FILE = 16 * 2**20  # a file no hashing writer saw is hashed from disk up t
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 # The settings that make two runs the same run: what shapes every step from the first one. Not max_steps or
-# num_train_epochs (a resume may extend a run), logging, evaluation or saving, nor the number of processes.
+# num_train_epochs (a resume may extend a run), logging, evaluation or saving. The number of processes is one: on
+# another number the global batch and the examples the resumed epoch skips are others (the Trainer skips its
+# micro-batches per process), so the resumed run is neither the saved run nor a new one.
 RUN_SETTINGS = (
     "seed",
     "data_seed",
     "learning_rate",
     "lr_scheduler_type",
+    "lr_scheduler_kwargs",
     "warmup_steps",
     "weight_decay",
     "optim",
+    "optim_args",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
     "max_grad_norm",
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
+    "dataloader_drop_last",
     "train_sampling_strategy",
+    "label_smoothing_factor",
+    "neftune_noise_alpha",
+    "bf16",
+    "fp16",
     "normalization",
     "objective",
     "max_tokens_per_batch",
+    "length_group_size",
 )
+# Settings a resume takes from the checkpoint whatever this run says: the saved optimizer and scheduler states
+# restore them (torch's load_state_dict keeps the saved param_groups; the scheduler its base_lrs).
+RESTORED_SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
 
 
 # ---- what a checkpoint records ----------------------------------------------------------------------------------
 def get_run_settings(args, streaming: bool) -> dict[str, Any]:
-    """The settings that identify a run (:data:`RUN_SETTINGS`), and whether it streams its data, as JSON values."""
+    """The settings that identify a run (:data:`RUN_SETTINGS`), its number of processes, and whether it streams its
+    data, as JSON values."""
     values = {f.name: _json_value(getattr(args, f.name)) for f in dataclasses.fields(args) if f.name in RUN_SETTINGS}
+    values["world_size"] = args.world_size
     values["streaming"] = streaming
     return values
 
@@ -282,7 +300,23 @@ def resolve_checkpoint(
     difference = describe_run_difference(saved, run) if run is not None and saved is not None else ""
     if difference and str(path) not in _said:  # once (the recipe resolves it before the trainer does)
         _said.add(str(path))
-        logger.warning("hfacc: %s was saved with other settings (%s); it continues with this run's.", path, difference)
+        changed = [k for k in run if k in saved and saved[k] != run[k]]
+        restored = [k for k in changed if k in RESTORED_SETTINGS]
+        if len(restored) == len(changed):
+            effect = (
+                f"{', '.join(restored)} {'stays' if len(restored) == 1 else 'stay'} the checkpoint's (its "
+                "optimizer and scheduler states restore them): "
+                "the run goes on as it was saved"
+            )
+        else:
+            effect = "it continues with this run's settings" + (
+                f", except {', '.join(restored)}: those stay the checkpoint's (its optimizer and scheduler states "
+                "restore them)"
+                if restored
+                else ""
+            )
+            effect += "; the result is neither the saved run's nor that of a run started afresh with these settings"
+        logger.warning("hfacc: %s was saved with other settings (%s); %s.", path, difference, effect)
     return str(resume_from_checkpoint)
 
 
@@ -336,10 +370,12 @@ def check_output_dir(
             marker = read_marker(path)
         except ValueError:
             marker = None
+        # No settings (an older hfacc's marker), or none of those both record differ: taken for this run's.
+        difference = describe_run_difference(marker.get("run") or {}, run) if marker is not None else ""
         if marker is None:
             unmarked.append(path.name)
-        elif marker.get("run", run) != dict(run):  # no settings: an older hfacc's marker, taken for this run's
-            others.append((path.name, describe_run_difference(marker["run"], run)))
+        elif difference:
+            others.append((path.name, difference))
         else:
             same.append(path.name)
     if others:
