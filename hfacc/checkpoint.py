@@ -473,15 +473,39 @@ def saved_weight_shapes(checkpoint: str | Path) -> dict[str, list[int]] | None:
 
 
 def check_checkpoint_weights(checkpoint: str | Path, model) -> None:
-    """A ConfigError when ``checkpoint``'s weights are another model's (other shapes, other layers).
+    """A ConfigError when ``checkpoint``'s weights are another model's (other shapes, other layers), or are saved
+    under names the Trainer's resume cannot load.
 
     The Trainer loads them with ``strict=False``: missing or extra layers would only be a log line, and a model of
-    another size a size-mismatch traceback. Tied weights (saved once) are not missing.
+    another size a size-mismatch traceback. Tied weights (saved once) are not missing. transformers saves some
+    models under their checkpoints' original names (Qwen2-VL's ``model.layers.*`` for ``model.language_model.
+    layers.*``, Gemma 3, LLaVA-NeXT, MoE experts one by one); the Trainer's resume loads by the model's own names,
+    so not one of those weights would load: refused, saying so, rather than taken for another model's.
     """
     saved = saved_weight_shapes(checkpoint)
     if saved is None or type(model).__name__.startswith("Peft"):
         return
     state = model.state_dict()
+    problem = _weights_problem(saved, state)
+    if problem is None:
+        return
+    layout = _saved_layout(model, state)
+    if layout is not None and _weights_problem(saved, layout) is None:
+        raise ConfigError(
+            f"Cannot resume from {checkpoint}: transformers saved {type(model).__name__}'s weights there under its "
+            f"checkpoints' original names ('{next(k for k in saved if k not in state)}', ...), which the Trainer's "
+            "resume does not map back to the model's own: it would go on from untrained weights. hfacc cannot "
+            "resume this model from a checkpoint yet; start from the checkpoint's weights instead "
+            "(--model_name_or_path <checkpoint>, a new run)."
+        )
+    raise ConfigError(
+        f"Cannot resume from {checkpoint}: its weights are another model's: {problem}. Resume with the model it "
+        "was saved with (the same --model_name_or_path and size settings), or start afresh in a new --output_dir."
+    )
+
+
+def _weights_problem(saved: Mapping[str, list[int]], state: Mapping[str, Any]) -> str | None:
+    """Why weights of ``saved`` shapes do not fit the tensors ``state``, or None (tied tensors may be saved once)."""
     own = {k: list(v.shape) for k, v in state.items()}
     problem = next(
         (
@@ -498,11 +522,22 @@ def check_checkpoint_weights(checkpoint: str | Path, model) -> None:
         problem = f"it holds {len(extra)} weight(s) this model does not have ('{extra[0]}', ...)"
     if problem is None and missing:
         problem = f"it lacks {len(missing)} weight(s) of this model ('{missing[0]}', ...)"
-    if problem is not None:
-        raise ConfigError(
-            f"Cannot resume from {checkpoint}: its weights are another model's: {problem}. Resume with the model it "
-            "was saved with (the same --model_name_or_path and size settings), or start afresh in a new --output_dir."
-        )
+    return problem
+
+
+def _saved_layout(model, state: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The tensors ``save_pretrained`` writes for ``model`` (names and shapes, on the meta device: no copy), or
+    None where transformers has no such conversion for it, or it fails."""
+    try:
+        import torch
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+        reverted = revert_weight_conversion(model, remove_tied_weights_from_state_dict(meta, model))
+    except Exception:  # another transformers, or a conversion that needs the tensors' values
+        return None
+    return reverted if set(reverted) != set(state) else None
 
 
 class CheckpointError(ConfigError):

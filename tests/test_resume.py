@@ -407,6 +407,29 @@ def test_a_checkpoint_of_another_model_size_is_refused_before_loading(two_checkp
         trainer.train(resume_from_checkpoint=str(root / "full" / "checkpoint-2"))
 
 
+def test_a_checkpoint_saved_under_original_names_is_refused_for_what_it_is(tmp_path):
+    """transformers saves Mixtral's experts one by one (Qwen2-VL, Gemma 3, LLaVA-NeXT: under their original module
+    names), and the Trainer's resume loads by the model's own names: not one of those weights loads (it would go on
+    from untrained weights). Before: refused as "its weights are another model's", which sent the user to look for
+    another model. A checkpoint of another size is still that."""
+    import transformers
+    from safetensors.torch import load_file
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = transformers.MixtralConfig(num_local_experts=2, num_experts_per_tok=1, num_key_value_heads=2, **small)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "checkpoint-1")
+    result = model.load_state_dict(load_file(tmp_path / "checkpoint-1" / "model.safetensors"), strict=False)
+    assert any("experts.0.w1" in k for k in result.unexpected_keys)  # what the Trainer's resume would do: skip them
+    with pytest.raises(ConfigError, match=r"under its checkpoints' original names .*experts\.0\..*untrained weights"):
+        checkpoints.check_checkpoint_weights(tmp_path / "checkpoint-1", model)
+    bigger = transformers.AutoModelForCausalLM.from_config(
+        transformers.MixtralConfig(**{**config.to_dict(), "hidden_size": 64})
+    )
+    with pytest.raises(ConfigError, match="its weights are another model's"):
+        checkpoints.check_checkpoint_weights(tmp_path / "checkpoint-1", bigger)
+
+
 def test_a_stock_checkpoint_counts_only_where_no_hfacc_run_wrote(two_checkpoints, tmp_path):
     """Before: any checkpoint with trainer_state.json and no marker was a stock one, also a half-written hfacc one."""
     root, _ = two_checkpoints

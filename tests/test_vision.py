@@ -453,3 +453,18 @@ def test_verify_and_show_mask_on_a_vlm(capsys):
     assert "[[" in shown and "<|im_end|>]]" in shown  # the answer and its end-of-turn token are trained
     trained = [part.split("]]")[0] for part in shown.split("[[")[1:]]
     assert not any("image" in t for t in trained)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_a_vlm_checkpoint_is_not_called_another_models(tmp_path, family):
+    """Qwen2.5-VL, Gemma 3 and LLaVA-NeXT are saved under their checkpoints' original names, which the Trainer's
+    resume does not map back (it would go on from untrained weights): refused for that reason. Before: "its
+    weights are another model's", for the very model that saved them."""
+    from hfacc.checkpoint import check_checkpoint_weights
+    from hfacc.config import ConfigError
+
+    model = model_for(family)
+    model.save_pretrained(tmp_path / "checkpoint-1")
+    with pytest.raises(ConfigError, match="under its checkpoints' original names") as err:
+        check_checkpoint_weights(tmp_path / "checkpoint-1", model)
+    assert "another model's" not in str(err.value)
