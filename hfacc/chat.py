@@ -108,7 +108,10 @@ def get_assistant_spans(
     messages = renderer.adapt_content(messages)
     full = renderer.render(messages, tools)
     if full is None or not renderer.same_as_reference(full.text, messages, tools):
-        return _prefix_spans(renderer, messages, trainable, tools, renderer.reference(messages, tools))
+        text = renderer.reference(messages, tools)
+        _check_fields_rendered(renderer, messages, trainable, tools, text)
+        return _prefix_spans(renderer, messages, trainable, tools, text)
+    _check_fields_rendered(renderer, messages, trainable, tools, full.text)
     if renderer.has_generation:
         return _generation_spans(renderer, messages, trainable, full)
     if full.segments is None:
@@ -552,6 +555,41 @@ def _text_of(message: dict) -> str:
     if isinstance(content, list):
         return "".join(part.get("text", "") for part in content if isinstance(part, dict))
     return content if isinstance(content, str) else ""
+
+
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _check_fields_rendered(renderer: ChatRenderer, messages, trainable, tools, text: str) -> None:
+    """Refuse a trained turn whose tool calls, or whose reasoning where it has no text, the template never writes.
+
+    Many templates have no place for ``tool_calls`` (Llama 3, Gemma 3, Phi-3, Zephyr, ...): the turn renders as
+    its content alone, often as nothing, and training it would teach the model to answer the request with its
+    text alone, or with the end-of-turn marker alone (an empty answer, which hfacc refuses as data). Seen by
+    rendering the conversation once more without those fields: the template ignores them where the text is the
+    same.
+    """
+    for k in trainable:
+        message = messages[k]
+        if message.get("tool_calls"):
+            keys, what = ("tool_calls",), "tool calls"
+        elif any(message.get(key) for key in _REASONING_KEYS) and not _text_of(message).strip():
+            keys, what = _REASONING_KEYS, "reasoning"
+        else:
+            continue
+        stripped = {key: value for key, value in message.items() if key not in keys}
+        stripped.setdefault("content", "")
+        try:
+            same = renderer.reference([*messages[:k], stripped, *messages[k + 1 :]], tools) == text
+        except ChatTemplateError:  # the template needs them (it writes them): rendered
+            continue
+        if same:
+            left = "its text alone" if _text_of(message).strip() else "its end-of-turn marker alone (an empty answer)"
+            raise ChatTemplateError(
+                f"the chat template does not render the {what} of assistant message {k}: it writes the same text "
+                f"with and without them, so the model would be trained on {left}. Use a chat template that renders "
+                f"{what} (the model's own, for tool calling), or leave those messages out of the data."
+            )
 
 
 def _generation_spans(renderer: ChatRenderer, messages, trainable, full: Rendering) -> AssistantSpans:

@@ -42,29 +42,47 @@ SMALL_FILE = 16 * 2**20  # a file no hashing writer saw is hashed from disk up t
 _CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 
 # The settings that make two runs the same run: what shapes every step from the first one. Not max_steps or
-# num_train_epochs (a resume may extend a run), logging, evaluation or saving, nor the number of processes.
+# num_train_epochs (a resume may extend a run), logging, evaluation or saving. The number of processes is one: on
+# another number the global batch and the examples the resumed epoch skips are others (the Trainer skips its
+# micro-batches per process), so the resumed run is neither the saved run nor a new one.
 RUN_SETTINGS = (
     "seed",
     "data_seed",
     "learning_rate",
     "lr_scheduler_type",
+    "lr_scheduler_kwargs",
     "warmup_steps",
     "weight_decay",
     "optim",
+    "optim_args",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
     "max_grad_norm",
     "per_device_train_batch_size",
     "gradient_accumulation_steps",
+    "dataloader_drop_last",
     "train_sampling_strategy",
+    "label_smoothing_factor",
+    "neftune_noise_alpha",
+    "bf16",
+    "fp16",
     "normalization",
     "objective",
     "max_tokens_per_batch",
+    "length_group_size",
 )
+# Settings a resume takes from the checkpoint whatever this run says: the saved optimizer and scheduler states
+# restore them (torch's load_state_dict keeps the saved param_groups; the scheduler its base_lrs).
+RESTORED_SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
 
 
 # ---- what a checkpoint records ----------------------------------------------------------------------------------
 def get_run_settings(args, streaming: bool) -> dict[str, Any]:
-    """The settings that identify a run (:data:`RUN_SETTINGS`), and whether it streams its data, as JSON values."""
+    """The settings that identify a run (:data:`RUN_SETTINGS`), its number of processes, and whether it streams its
+    data, as JSON values."""
     values = {f.name: _json_value(getattr(args, f.name)) for f in dataclasses.fields(args) if f.name in RUN_SETTINGS}
+    values["world_size"] = args.world_size
     values["streaming"] = streaming
     return values
 
@@ -282,7 +300,23 @@ def resolve_checkpoint(
     difference = describe_run_difference(saved, run) if run is not None and saved is not None else ""
     if difference and str(path) not in _said:  # once (the recipe resolves it before the trainer does)
         _said.add(str(path))
-        logger.warning("hfacc: %s was saved with other settings (%s); it continues with this run's.", path, difference)
+        changed = [k for k in run if k in saved and saved[k] != run[k]]
+        restored = [k for k in changed if k in RESTORED_SETTINGS]
+        if len(restored) == len(changed):
+            effect = (
+                f"{', '.join(restored)} {'stays' if len(restored) == 1 else 'stay'} the checkpoint's (its "
+                "optimizer and scheduler states restore them): "
+                "the run goes on as it was saved"
+            )
+        else:
+            effect = "it continues with this run's settings" + (
+                f", except {', '.join(restored)}: those stay the checkpoint's (its optimizer and scheduler states "
+                "restore them)"
+                if restored
+                else ""
+            )
+            effect += "; the result is neither the saved run's nor that of a run started afresh with these settings"
+        logger.warning("hfacc: %s was saved with other settings (%s); %s.", path, difference, effect)
     return str(resume_from_checkpoint)
 
 
@@ -336,10 +370,12 @@ def check_output_dir(
             marker = read_marker(path)
         except ValueError:
             marker = None
+        # No settings (an older hfacc's marker), or none of those both record differ: taken for this run's.
+        difference = describe_run_difference(marker.get("run") or {}, run) if marker is not None else ""
         if marker is None:
             unmarked.append(path.name)
-        elif marker.get("run", run) != dict(run):  # no settings: an older hfacc's marker, taken for this run's
-            others.append((path.name, describe_run_difference(marker["run"], run)))
+        elif difference:
+            others.append((path.name, difference))
         else:
             same.append(path.name)
     if others:
@@ -437,15 +473,39 @@ def saved_weight_shapes(checkpoint: str | Path) -> dict[str, list[int]] | None:
 
 
 def check_checkpoint_weights(checkpoint: str | Path, model) -> None:
-    """A ConfigError when ``checkpoint``'s weights are another model's (other shapes, other layers).
+    """A ConfigError when ``checkpoint``'s weights are another model's (other shapes, other layers), or are saved
+    under names the Trainer's resume cannot load.
 
     The Trainer loads them with ``strict=False``: missing or extra layers would only be a log line, and a model of
-    another size a size-mismatch traceback. Tied weights (saved once) are not missing.
+    another size a size-mismatch traceback. Tied weights (saved once) are not missing. transformers saves some
+    models under their checkpoints' original names (Qwen2-VL's ``model.layers.*`` for ``model.language_model.
+    layers.*``, Gemma 3, LLaVA-NeXT, MoE experts one by one); the Trainer's resume loads by the model's own names,
+    so not one of those weights would load: refused, saying so, rather than taken for another model's.
     """
     saved = saved_weight_shapes(checkpoint)
     if saved is None or type(model).__name__.startswith("Peft"):
         return
     state = model.state_dict()
+    problem = _weights_problem(saved, state)
+    if problem is None:
+        return
+    layout = _saved_layout(model, state)
+    if layout is not None and _weights_problem(saved, layout) is None:
+        raise ConfigError(
+            f"Cannot resume from {checkpoint}: transformers saved {type(model).__name__}'s weights there under its "
+            f"checkpoints' original names ('{next(k for k in saved if k not in state)}', ...), which the Trainer's "
+            "resume does not map back to the model's own: it would go on from untrained weights. hfacc cannot "
+            "resume this model from a checkpoint yet; start from the checkpoint's weights instead "
+            "(--model_name_or_path <checkpoint>, a new run)."
+        )
+    raise ConfigError(
+        f"Cannot resume from {checkpoint}: its weights are another model's: {problem}. Resume with the model it "
+        "was saved with (the same --model_name_or_path and size settings), or start afresh in a new --output_dir."
+    )
+
+
+def _weights_problem(saved: Mapping[str, list[int]], state: Mapping[str, Any]) -> str | None:
+    """Why weights of ``saved`` shapes do not fit the tensors ``state``, or None (tied tensors may be saved once)."""
     own = {k: list(v.shape) for k, v in state.items()}
     problem = next(
         (
@@ -462,11 +522,22 @@ def check_checkpoint_weights(checkpoint: str | Path, model) -> None:
         problem = f"it holds {len(extra)} weight(s) this model does not have ('{extra[0]}', ...)"
     if problem is None and missing:
         problem = f"it lacks {len(missing)} weight(s) of this model ('{missing[0]}', ...)"
-    if problem is not None:
-        raise ConfigError(
-            f"Cannot resume from {checkpoint}: its weights are another model's: {problem}. Resume with the model it "
-            "was saved with (the same --model_name_or_path and size settings), or start afresh in a new --output_dir."
-        )
+    return problem
+
+
+def _saved_layout(model, state: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The tensors ``save_pretrained`` writes for ``model`` (names and shapes, on the meta device: no copy), or
+    None where transformers has no such conversion for it, or it fails."""
+    try:
+        import torch
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in state.items()}
+        reverted = revert_weight_conversion(model, remove_tied_weights_from_state_dict(meta, model))
+    except Exception:  # another transformers, or a conversion that needs the tensors' values
+        return None
+    return reverted if set(reverted) != set(state) else None
 
 
 class CheckpointError(ConfigError):

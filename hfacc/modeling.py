@@ -218,6 +218,13 @@ class ModelArguments:
             raise ValueError(f"lora_dropout={self.lora_dropout}: it must be in [0, 1).")
         if self.embedded_model not in EMBEDDED_MODELS:
             raise ValueError(f"embedded_model={self.embedded_model!r}: use one of {list(EMBEDDED_MODELS)}.")
+        for name in ("model_name_or_path", "tokenizer_name_or_path"):
+            value = getattr(self, name)
+            if value is not None and Path(value).is_file():  # transformers' answer: "not a valid JSON file"
+                raise ValueError(
+                    f"{name}={value}: it is a file; give the folder it is in (the one save_pretrained wrote, with "
+                    "config.json and the weights or tokenizer files), or a Hub id."
+                )
 
 
 def load_tokenizer(args: ModelArguments):

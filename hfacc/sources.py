@@ -63,6 +63,16 @@ def load_sft_source(
                 # holds a number), so an error names the row and line that is really wrong.
                 validate_json_file(file)
         if path.suffix in LOCAL_FORMATS:
+            if eval_split is not None or split != "train":  # a file is one split: the names would be ignored
+                given = (
+                    f"dataset_eval_split={eval_split!r}"
+                    if eval_split is not None
+                    else f"dataset_train_split={split!r}"
+                )
+                raise DataError(
+                    f"{given}: dataset {name_or_path} is a single file, which has no splits. Leave it unset (the "
+                    "evaluation rows are held out: eval_fraction), or give a folder or Hub dataset with splits."
+                )
             try:
                 data = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
             except Exception as err:  # pyarrow's and pandas' errors name neither the line nor the fix

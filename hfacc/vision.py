@@ -282,7 +282,15 @@ def encode_vision_row(processor, row: Mapping[str, Any], index: Any, format: str
         )
     text, spans, expansions = found.text, list(found.spans), []
     if refs:
-        replacements = [get_image_replacement(processor, size) for size in sizes]
+        replacements = []
+        for i, size in enumerate(sizes):
+            try:
+                replacements.append(get_image_replacement(processor, size))
+            except ValueError as err:  # the image processor refuses the size (Qwen2-VL: aspect ratio over 200)
+                raise DataError(
+                    f"row {index}, image {i}: {type(processor).__name__} cannot process an image of {size[0]}x"
+                    f"{size[1]} pixels ({err}). Resize or pad the image, or leave the row out."
+                ) from err
         expanded, offsets = processor.get_text_with_replacements([text], images_replacements=replacements)
         text, expansions = expanded[0], [tuple(o["new_span"]) for o in offsets[0]]
         spans = [(_moved(a, offsets[0]), _moved(b, offsets[0])) for a, b in spans]

@@ -273,11 +273,11 @@ PLAIN_SINGLE_TURN = [
 
 def test_a_tool_result_the_template_drops_is_not_cut_from_the_answer():
     """Metharme writes nothing for a tool message; its content also in the answer before it is the answer's own
-    text, trained in full (the cut applies only where a silent message's text is really in the turn)."""
-    call = {"id": "x", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    text, trained in full (the cut applies only where a silent message's text is really in the turn). No
+    tool_calls on the turn: Metharme has no place for them (refused, see the test below)."""
     messages = [
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "Let me check: 22 C", "tool_calls": [call]},
+        {"role": "assistant", "content": "Let me check: 22 C"},
         {"role": "tool", "content": "22 C"},
         {"role": "assistant", "content": "It is 22 C."},
     ]
@@ -285,3 +285,28 @@ def test_a_tool_result_the_template_drops_is_not_cut_from_the_answer():
     ids, labels, _, _ = encode_row(tokenizer, {"messages": messages}, 0, "messages")
     trained = tokenizer.decode([t for t, y in zip(ids, labels, strict=True) if y != -100])
     assert trained.startswith("Let me check: 22 C<|model|>") and trained.endswith("It is 22 C.</s>")
+
+
+@pytest.mark.parametrize("family", ["llama3", "gemma3", "phi3", "metharme"])
+def test_tool_calls_a_template_never_renders_are_refused_not_trained_as_an_empty_answer(family):
+    """Before: these published templates have no place for tool_calls; the call turn rendered as nothing and only
+    its end-of-turn marker was trained (the model learnt to answer "What is the weather?" with an empty turn),
+    or, with text, its text without the call. No error, no warning."""
+    call = {"id": "x", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    tokenizer = tokenizer_for(family)
+    for content in ("", "Let me check."):
+        messages = [
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"role": "assistant", "content": content, "tool_calls": [call]},
+            {"role": "user", "content": "Thanks!"},
+            {"role": "assistant", "content": "You are welcome."},
+        ]
+        with pytest.raises(DataError, match="does not render the tool calls of assistant message 1"):
+            encode_row(tokenizer, {"messages": messages}, 0, "messages")
+    # A reasoning-only turn the template drops (Llama 3 writes no reasoning) is the same empty answer.
+    messages = [
+        {"role": "user", "content": "Is 7 prime?"},
+        {"role": "assistant", "content": "", "reasoning_content": "7 has no divisors."},
+    ]
+    with pytest.raises(DataError, match="does not render the reasoning of assistant message 1"):
+        encode_row(tokenizer_for("llama3"), {"messages": messages}, 0, "messages")

@@ -482,6 +482,13 @@ MISTAKES = {
     "empty assistant content": (["--dataset_name", "{empty_answer.jsonl}"], "the assistant message is empty"),
     "read-only output dir": (["--output_dir", "/sys/hfacc-out"], "cannot write to --output_dir /sys/hfacc-out"),
     "output_dir naming a file": (["--output_dir", "{a_file}"], "is a file; name a directory"),
+    # Before: transformers' OSError traceback ("not a valid JSON file").
+    "model_name_or_path naming a file": (["--model_name_or_path", "{a_file}"], "it is a file; give the folder"),
+    # Before: ignored, training on all but a held-out eval_fraction and evaluating on that.
+    "an eval split of a single file": (
+        ["--dataset_name", "{good.jsonl}", "--dataset_eval_split", "test"],
+        "dataset_eval_split='test': dataset",
+    ),
     "model folder without config.json": (["--model_name_or_path", "{noconfig}"], "the folder has no config.json"),
     "model folder with .bin weights only": (["--model_name_or_path", "{bin}"], "its weights are pickled"),
     "weights of other shapes": (["--model_name_or_path", "{shapes}"], "its weights do not fit its config.json"),

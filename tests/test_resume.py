@@ -338,6 +338,42 @@ def test_another_runs_checkpoints_are_refused_or_skipped_never_continued(two_che
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
 
 
+def test_a_checkpoint_of_another_number_of_processes_is_not_taken_for_this_runs(two_checkpoints, tmp_path):
+    """Before: the marker did not record the number of processes, so `last` continued a 1-process checkpoint on 2
+    (or the reverse) without a word: another global batch, and the Trainer skips the resumed epoch's micro-batches
+    per process, so examples were trained twice or never. Nor did it record settings such as bf16 or the token
+    budget's length_group_size."""
+    root, _ = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "full", out)
+    saved = json.loads((out / "checkpoint-3" / MARKER).read_text())["run"]
+    assert saved["world_size"] == 1 and {"bf16", "length_group_size", "dataloader_drop_last"} <= set(saved)
+    with pytest.raises(ConfigError, match=r"no checkpoint of this run .*world_size 1 there, 2 here"):
+        resolve_checkpoint("last", out, {**saved, "world_size": 2})
+    with pytest.raises(ConfigError, match=r"holds checkpoints of another run .*bf16 False there, True here"):
+        checkpoints.check_output_dir(out, {**saved, "bf16": True}, resuming=False)
+    # A marker of an older hfacc, without the settings recorded since, is still this run's.
+    older = {k: v for k, v in saved.items() if k not in ("world_size", "bf16")}
+    checkpoints.check_output_dir(out, {**older, "world_size": 1, "bf16": False}, resuming=False)
+
+
+def test_a_named_checkpoint_with_another_learning_rate_says_that_it_keeps_the_saved_one(
+    two_checkpoints, tmp_path, caplog
+):
+    """Before: "it continues with this run's" settings, while the restored optimizer and scheduler states kept the
+    checkpoint's learning rate and weight decay (0.02 and 0.0 trained on, 0.001 and 0.5 asked for)."""
+    root, _ = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "base", out)
+    settings = dict(max_steps=3, lr_scheduler_type="constant", learning_rate=1e-3, weight_decay=0.5)
+    trainer, _ = check.make_trainer(out, dict(rows=13, settings=settings))
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [0.02, 0.02]
+    assert "learning_rate, weight_decay stay the checkpoint's" in caplog.text
+    assert "continues with this run's" not in caplog.text
+
+
 def test_a_streaming_checkpoint_is_refused_to_a_map_style_run_and_the_reverse(two_checkpoints, tmp_path):
     """Before: a streaming checkpoint resumed without --streaming trained on map-style (exit 0, rel 7.7e-3)."""
     root, _ = two_checkpoints
@@ -369,6 +405,29 @@ def test_a_checkpoint_of_another_model_size_is_refused_before_loading(two_checkp
     trainer.model = check.build_tiny_llama(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2)
     with pytest.raises(ConfigError, match=r"its weights are another model's: .*lacks 9 weight\(s\) of this model"):
         trainer.train(resume_from_checkpoint=str(root / "full" / "checkpoint-2"))
+
+
+def test_a_checkpoint_saved_under_original_names_is_refused_for_what_it_is(tmp_path):
+    """transformers saves Mixtral's experts one by one (Qwen2-VL, Gemma 3, LLaVA-NeXT: under their original module
+    names), and the Trainer's resume loads by the model's own names: not one of those weights loads (it would go on
+    from untrained weights). Before: refused as "its weights are another model's", which sent the user to look for
+    another model. A checkpoint of another size is still that."""
+    import transformers
+    from safetensors.torch import load_file
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = transformers.MixtralConfig(num_local_experts=2, num_experts_per_tok=1, num_key_value_heads=2, **small)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "checkpoint-1")
+    result = model.load_state_dict(load_file(tmp_path / "checkpoint-1" / "model.safetensors"), strict=False)
+    assert any("experts.0.w1" in k for k in result.unexpected_keys)  # what the Trainer's resume would do: skip them
+    with pytest.raises(ConfigError, match=r"under its checkpoints' original names .*experts\.0\..*untrained weights"):
+        checkpoints.check_checkpoint_weights(tmp_path / "checkpoint-1", model)
+    bigger = transformers.AutoModelForCausalLM.from_config(
+        transformers.MixtralConfig(**{**config.to_dict(), "hidden_size": 64})
+    )
+    with pytest.raises(ConfigError, match="its weights are another model's"):
+        checkpoints.check_checkpoint_weights(tmp_path / "checkpoint-1", bigger)
 
 
 def test_a_stock_checkpoint_counts_only_where_no_hfacc_run_wrote(two_checkpoints, tmp_path):

@@ -320,6 +320,8 @@ def bad_rows(tmp_path, case):
         return [{**row, "messages": messages}]
     if case == "a URL offline":
         return [{**row, "images": ["https://hfacc.invalid/circle.png"]}]
+    if case == "an image the processor refuses":  # before: Qwen2-VL's raw ValueError (a traceback in the recipe)
+        return [{**row, "images": [Image.new("RGB", (1, 300), "red")]}]
     raise ValueError(case)
 
 
@@ -331,6 +333,8 @@ BAD = {
     "more images than placeholders": r"row 0: 2 image\(s\) in the 'images' column but only 1 image part",
     "a literal placeholder in the text": r"row 0: the chat template wrote 2 image placeholder\(s\) '<\|image_pad\|>' for 1",
     "a URL offline": r"row 0, image 0: the image https://hfacc.invalid/circle.png cannot be downloaded",
+    "an image the processor refuses": r"row 0, image 0: .*Processor cannot process an image of 1x300 pixels "
+    r"\(absolute aspect ratio must be smaller than 200",
 }
 
 
@@ -449,3 +453,18 @@ def test_verify_and_show_mask_on_a_vlm(capsys):
     assert "[[" in shown and "<|im_end|>]]" in shown  # the answer and its end-of-turn token are trained
     trained = [part.split("]]")[0] for part in shown.split("[[")[1:]]
     assert not any("image" in t for t in trained)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_a_vlm_checkpoint_is_not_called_another_models(tmp_path, family):
+    """Qwen2.5-VL, Gemma 3 and LLaVA-NeXT are saved under their checkpoints' original names, which the Trainer's
+    resume does not map back (it would go on from untrained weights): refused for that reason. Before: "its
+    weights are another model's", for the very model that saved them."""
+    from hfacc.checkpoint import check_checkpoint_weights
+    from hfacc.config import ConfigError
+
+    model = model_for(family)
+    model.save_pretrained(tmp_path / "checkpoint-1")
+    with pytest.raises(ConfigError, match="under its checkpoints' original names") as err:
+        check_checkpoint_weights(tmp_path / "checkpoint-1", model)
+    assert "another model's" not in str(err.value)
