@@ -473,35 +473,38 @@ def saved_weight_shapes(checkpoint: str | Path) -> dict[str, list[int]] | None:
 
 
 def check_checkpoint_weights(checkpoint: str | Path, model) -> None:
-    """A ConfigError when ``checkpoint``'s weights are another model's (other shapes, other layers), or are saved
-    under names the Trainer's resume cannot load.
+    """A ConfigError when ``checkpoint``'s weights are another model's (other shapes, other layers).
 
     The Trainer loads them with ``strict=False``: missing or extra layers would only be a log line, and a model of
-    another size a size-mismatch traceback. Tied weights (saved once) are not missing. transformers saves some
-    models under their checkpoints' original names (Qwen2-VL's ``model.layers.*`` for ``model.language_model.
-    layers.*``, Gemma 3, LLaVA-NeXT, MoE experts one by one); the Trainer's resume loads by the model's own names,
-    so not one of those weights would load: refused, saying so, rather than taken for another model's.
+    another size a size-mismatch traceback. Tied weights (saved once) are not missing. Weights transformers saved
+    under the model's checkpoints' original names (:func:`saved_under_original_names`) are the model's own: the
+    trainer loads them through transformers' conversion (``TokenWeightedTrainer._load_from_checkpoint``).
     """
     saved = saved_weight_shapes(checkpoint)
     if saved is None or type(model).__name__.startswith("Peft"):
         return
-    state = model.state_dict()
-    problem = _weights_problem(saved, state)
-    if problem is None:
+    problem = _weights_problem(saved, model.state_dict())
+    if problem is None or saved_under_original_names(checkpoint, model, saved):
         return
-    layout = _saved_layout(model, state)
-    if layout is not None and _weights_problem(saved, layout) is None:
-        raise ConfigError(
-            f"Cannot resume from {checkpoint}: transformers saved {type(model).__name__}'s weights there under its "
-            f"checkpoints' original names ('{next(k for k in saved if k not in state)}', ...), which the Trainer's "
-            "resume does not map back to the model's own: it would go on from untrained weights. hfacc cannot "
-            "resume this model from a checkpoint yet; start from the checkpoint's weights instead "
-            "(--model_name_or_path <checkpoint>, a new run)."
-        )
     raise ConfigError(
         f"Cannot resume from {checkpoint}: its weights are another model's: {problem}. Resume with the model it "
         "was saved with (the same --model_name_or_path and size settings), or start afresh in a new --output_dir."
     )
+
+
+def saved_under_original_names(checkpoint: str | Path, model, saved: Mapping[str, list[int]] | None = None) -> bool:
+    """Whether ``checkpoint`` holds ``model``'s weights under the names transformers saves them by, which are not
+    the model's own (Qwen2-VL's ``model.layers.*`` for ``model.language_model.layers.*``, Gemma 3, LLaVA-NeXT, MoE
+    experts one by one). The stock Trainer's resume loads by the model's own names, so not one of them would load
+    and training would go on from untrained weights."""
+    saved = saved_weight_shapes(checkpoint) if saved is None else saved
+    if saved is None or type(model).__name__.startswith("Peft"):
+        return False
+    state = model.state_dict()
+    if _weights_problem(saved, state) is None:
+        return False
+    layout = _saved_layout(model, state)
+    return layout is not None and _weights_problem(saved, layout) is None
 
 
 def _weights_problem(saved: Mapping[str, list[int]], state: Mapping[str, Any]) -> str | None:
@@ -607,6 +610,7 @@ __all__ = [
     "RUN_RECORD",
     "CheckpointError",
     "check_checkpoint_weights",
+    "saved_under_original_names",
     "check_output_dir",
     "checkpoint_problem",
     "complete_checkpoint",

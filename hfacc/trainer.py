@@ -38,6 +38,7 @@ from .checkpoint import (
     get_run_settings,
     prepare_run,
     read_marker,
+    saved_under_original_names,
     unmark_checkpoint,
 )
 from .collator import warn_about_padding_labels
@@ -402,6 +403,23 @@ class TokenWeightedTrainer(Trainer):
             )
         # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
         return output._replace(training_loss=output.metrics.get("train_loss", float("nan")))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
+        """Stock loading, except for weights saved under the model's checkpoints' original names (Qwen2-VL, Gemma 3,
+        LLaVA-NeXT, MoE experts one by one: :func:`hfacc.checkpoint.saved_under_original_names`).
+
+        The stock loader matches them by the model's own names (``strict=False``), so none would load and the run
+        would go on from untrained weights. transformers' own loading maps them back, as it does for the hub's
+        files; the weights are then copied in (a second copy of the model on the CPU while it loads, where the stock
+        loader holds the state dict).
+        """
+        target = self.model if model is None else model
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled  # their own checkpoint formats and loaders
+        if not sharded and saved_under_original_names(resume_from_checkpoint, target):
+            loaded = type(target).from_pretrained(resume_from_checkpoint, config=target.config, dtype=target.dtype)
+            target.load_state_dict(loaded.state_dict())
+            return
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _save_checkpoint(self, model, trial) -> None:
         """The stock checkpoint hashed as it is written, then a completion marker, then rotation: a crash mid-save

@@ -407,27 +407,48 @@ def test_a_checkpoint_of_another_model_size_is_refused_before_loading(two_checkp
         trainer.train(resume_from_checkpoint=str(root / "full" / "checkpoint-2"))
 
 
-def test_a_checkpoint_saved_under_original_names_is_refused_for_what_it_is(tmp_path):
+def test_a_checkpoint_saved_under_original_names_resumes_exactly(tmp_path):
     """transformers saves Mixtral's experts one by one (Qwen2-VL, Gemma 3, LLaVA-NeXT: under their original module
-    names), and the Trainer's resume loads by the model's own names: not one of those weights loads (it would go on
-    from untrained weights). Before: refused as "its weights are another model's", which sent the user to look for
-    another model. A checkpoint of another size is still that."""
+    names), and the stock Trainer's resume loads by the model's own names: not one of those weights loads, and it
+    goes on from untrained weights. Before: refused as "its weights are another model's" (review of issue 22); the
+    stock loader alone: the weights below would differ. Now they load through transformers' conversion: the resumed
+    run ends where the uninterrupted one does. A checkpoint of another size is still another model's."""
     import transformers
+    from datasets import Dataset
     from safetensors.torch import load_file
+
+    from hfacc import DataCollatorForCausalLM, TokenWeightedTrainer
+    from tests.helpers import make_examples, train_args
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
     config = transformers.MixtralConfig(num_local_experts=2, num_experts_per_tok=1, num_key_value_heads=2, **small)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(tmp_path / "checkpoint-1")
-    result = model.load_state_dict(load_file(tmp_path / "checkpoint-1" / "model.safetensors"), strict=False)
-    assert any("experts.0.w1" in k for k in result.unexpected_keys)  # what the Trainer's resume would do: skip them
-    with pytest.raises(ConfigError, match=r"under its checkpoints' original names .*experts\.0\..*untrained weights"):
-        checkpoints.check_checkpoint_weights(tmp_path / "checkpoint-1", model)
+
+    def train(out, resume=None):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        args = train_args(out, 2, 2, learning_rate=0.05, max_steps=4, save_strategy="steps", save_steps=2)
+        data = Dataset.from_list(make_examples(16))
+        trainer = TokenWeightedTrainer(
+            model=model, args=args, train_dataset=data, data_collator=DataCollatorForCausalLM(0)
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return model
+
+    whole = train(tmp_path / "whole")
+    saved = tmp_path / "whole" / "checkpoint-2"
+    state = load_file(saved / "model.safetensors")
+    unloaded = set(state) - set(whole.state_dict())  # what the stock loader (by the model's own names) would skip
+    assert any("experts.0.w1" in k for k in unloaded) and checkpoints.saved_under_original_names(saved, whole)
+    checkpoints.check_checkpoint_weights(saved, whole)  # the model's own weights: no error
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    resumed = train(tmp_path / "resumed", resume=str(tmp_path / "resumed" / "checkpoint-2"))
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.allclose(a, b, atol=TOL, rtol=0), name
     bigger = transformers.AutoModelForCausalLM.from_config(
         transformers.MixtralConfig(**{**config.to_dict(), "hidden_size": 64})
     )
     with pytest.raises(ConfigError, match="its weights are another model's"):
-        checkpoints.check_checkpoint_weights(tmp_path / "checkpoint-1", bigger)
+        checkpoints.check_checkpoint_weights(saved, bigger)
 
 
 def test_a_stock_checkpoint_counts_only_where_no_hfacc_run_wrote(two_checkpoints, tmp_path):

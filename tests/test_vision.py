@@ -456,15 +456,17 @@ def test_verify_and_show_mask_on_a_vlm(capsys):
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
-def test_a_vlm_checkpoint_is_not_called_another_models(tmp_path, family):
-    """Qwen2.5-VL, Gemma 3 and LLaVA-NeXT are saved under their checkpoints' original names, which the Trainer's
-    resume does not map back (it would go on from untrained weights): refused for that reason. Before: "its
-    weights are another model's", for the very model that saved them."""
-    from hfacc.checkpoint import check_checkpoint_weights
-    from hfacc.config import ConfigError
+def test_a_vlm_checkpoint_is_the_models_own(tmp_path, family):
+    """Qwen2.5-VL, Gemma 3 and LLaVA-NeXT are saved under their checkpoints' original names, which the stock
+    Trainer's resume does not map back (it would go on from untrained weights). Before: refused as "its weights are
+    another model's", for the very model that saved them. Now they are recognized, and loaded through transformers'
+    conversion (TokenWeightedTrainer._load_from_checkpoint; tests/test_resume.py resumes a Mixtral exactly so)."""
+    from hfacc.checkpoint import check_checkpoint_weights, saved_under_original_names
 
     model = model_for(family)
     model.save_pretrained(tmp_path / "checkpoint-1")
-    with pytest.raises(ConfigError, match="under its checkpoints' original names") as err:
-        check_checkpoint_weights(tmp_path / "checkpoint-1", model)
-    assert "another model's" not in str(err.value)
+    check_checkpoint_weights(tmp_path / "checkpoint-1", model)
+    assert saved_under_original_names(tmp_path / "checkpoint-1", model)
+    loaded = type(model).from_pretrained(tmp_path / "checkpoint-1", config=model.config, dtype=model.dtype)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
