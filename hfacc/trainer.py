@@ -48,7 +48,7 @@ from .objective import (
     Objective,
 )
 from .objective_choice import get_objective
-from .padding_free import choose_padding_free, remove_padding
+from .padding_free import choose_padding_free, padded_neftune_noise, remove_padding
 from .step_gate import NonFiniteLossError, StepGate
 from .streaming import (
     SFTStream,
@@ -112,6 +112,7 @@ class TokenWeightedTrainer(Trainer):
         self._packing_checked = False
         self.padding_free = False  # decided with the objective, on the first micro-batch
         self.padding_free_one_row = True  # one row for variable-length attention kernels, else rows
+        self.padding_free_max_row = 0  # the longest row the check verified (0: no bound)
         self.meter = LossMeter(self.args.device)
         self._stream_batches = self._stream_position = self._stream_resume = None  # a stream's reader, place, resume
         if self.args.audit_every_n_steps:  # the step gate runs it first, before a skip could drop the gradient
@@ -187,8 +188,12 @@ class TokenWeightedTrainer(Trainer):
                 # Padded micro-batches: the user's function shifts the labels itself, across any packed boundary.
                 self.objective = LossFunctionObjective(self.compute_loss_func, counter=self.objective)
             elif self.args.padding_free:
-                self.padding_free, self.padding_free_one_row = choose_padding_free(
-                    self.objective, self.model, self._prepare_inputs(batch), self.accelerator
+                self.padding_free, self.padding_free_one_row, self.padding_free_max_row = choose_padding_free(
+                    self.objective,
+                    self.model,
+                    self._prepare_inputs(batch),
+                    self.accelerator,
+                    max_tokens_per_batch=self.args.max_tokens_per_batch or 0,
                 )
             if isinstance(self.objective, CausalLMObjective):
                 problem = choose_loss_path(
@@ -228,8 +233,9 @@ class TokenWeightedTrainer(Trainer):
         if not model.training and isinstance(objective, CausalLMObjective):
             # The fused path returns loss sums where the logits would be: only when nobody reads the logits.
             objective.fused_in_eval = not self._eval_needs_logits
+        padded = inputs
         if self.padding_free and (model.training or objective.fused_in_eval):  # eval: unless logits are wanted
-            inputs = remove_padding(inputs, self.padding_free_one_row) or inputs
+            inputs = remove_padding(inputs, self.padding_free_one_row, self.padding_free_max_row) or inputs
         if model.training:
             if self.window is None or self.window.left <= 0:
                 # compute_loss called outside the Trainer's loop (e.g. a user's own `training_step` call): the
@@ -238,9 +244,10 @@ class TokenWeightedTrainer(Trainer):
             window = self.window
             repeated = window.take()
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
-            loss, outputs, sums = compute_micro_batch_loss(
-                objective, model, inputs, window.counts, normalization=self.args.normalization, world_size=world
-            )
+            with padded_neftune_noise(model, padded, inputs):  # NEFTune: stock's noise for the padded batch
+                loss, outputs, sums = compute_micro_batch_loss(
+                    objective, model, inputs, window.counts, normalization=self.args.normalization, world_size=world
+                )
             if repeated:  # only examples accelerate repeated: run for the all-reduce, contribute nothing
                 loss, sums = loss * 0, LossSums(*(torch.zeros_like(t) for t in sums))
             window.stage(sums)
