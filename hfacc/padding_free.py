@@ -39,6 +39,8 @@ from .objective import CausalLMObjective, Objective
 
 logger = logging.getLogger(__name__)
 
+CHECK_TOKENS = 64  # tokens of the check's three sequences (check_padding_free): small work, the same on every rank
+
 
 def remove_padding(batch: Mapping[str, Any], one_row: bool = True, max_row_length: int = 0) -> dict[str, Any] | None:
     """The real tokens of a padded batch laid end to end; None when the batch cannot be laid out so.
@@ -168,7 +170,7 @@ def check_padding_free(
     batch: Mapping[str, Any],
     one_row: bool | None = None,
     tolerance: float | None = None,
-    max_tokens: int = 64,
+    max_tokens: int = CHECK_TOKENS,
 ) -> str | None:
     """Run a few sequences padded and padding-free, forward and backward; None if the layout is exact, else why not.
 
@@ -178,14 +180,16 @@ def check_padding_free(
     rank whatever its data, so sharded models (FSDP, DeepSpeed) run it in step. Compared, relative to the padded
     run, within :func:`get_tolerance` (1e-6 in fp32):
 
-    - what the loss sees: the cross-entropy of every real position and the model's auxiliary (router) loss, which a
-      filler counted by the router would move;
-    - the gradient of that loss with respect to the input embeddings, at every real position, which must be finite;
-      at the filler it must be zero (the filler must be inert). It is taken with ``torch.autograd.grad`` from the
-      embeddings' output, so no parameter's ``.grad`` is touched and no engine's gradient hook runs; it sees every
-      layer's backward (a NaN from the filler, a leak in the backward);
-    - leaks: the first sequence of each row is changed (other tokens) and the row run again: the losses of the
-      other sequences of the row must not move (they do not, bit for bit, on a model that keeps them apart).
+    - what the loss sees: the logits and cross-entropy of every real position and the model's auxiliary (router)
+      loss, which a filler counted by the router moves;
+    - the gradient of that loss with respect to the input embeddings at every real position, which must be finite;
+      at the filler it must be exactly 0 (the filler must be inert, in any precision). It is taken with
+      ``torch.autograd.grad`` from the embeddings' output, so no parameter's ``.grad`` is touched and no engine's
+      gradient hook runs; it goes through every layer's backward (a NaN from the filler, a leak in the backward).
+      A model without ``get_input_embeddings`` is compared forward only;
+    - leaks: the first sequence of each row with several is changed (other tokens) and the row run again: the
+      logits of the others must not move beyond rounding (1 eps relative; bit for bit on a model that keeps them
+      apart, unless it regroups tokens, as a mixture of experts does).
 
     The model runs in eval mode (dropout would make any two runs differ). The rows here are short; where training
     lays sequences far into a row, :func:`check_row_offsets` checks those offsets.
@@ -233,7 +237,8 @@ def check_padding_free(
     ]
     if reference.grad is not None and laid.grad is not None:
         if not torch.isfinite(laid.grad).all():
-            return "its gradient is not finite padding-free, though it is padded"
+            padded_too = "" if torch.isfinite(reference.grad).all() else " (nor padded: the data itself gives one)"
+            return f"its gradient is not finite{padded_too}"
         expected = reference.grad[mask]
         checks.append(("its gradient", _relative(unpadded(laid.grad), expected), tolerance))
         filler = laid.grad[~real].double()
@@ -342,8 +347,8 @@ def choose_padding_free(
             reasons[one_row] = problem or "not exact on another rank"
             continue
         target = longest[one_row]
-        # The short check's rows hold up to 64 tokens; longer ones are run as long as training will lay them out.
-        length, why = check_row_offsets(model, batch, target) if target > 64 else (target, None)
+        # The short check's rows hold up to CHECK_TOKENS; longer ones are run as long as training will lay them out.
+        length, why = check_row_offsets(model, batch, target) if target > CHECK_TOKENS else (target, None)
         length = _min_over_ranks(length, accelerator)
         if length >= target:
             exact = PaddingFreeChoice(True, one_row)

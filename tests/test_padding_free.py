@@ -422,14 +422,15 @@ def test_gemma3n_trains_packed_rows_with_a_filler_of_real_tokens(tmp_path, caplo
 
 def test_llama4_rows_are_checked_as_long_as_training_lays_them_out():
     """Llama 4's NoPE layers scale attention by the row index from floor_scale (8192) on: a sequence laid past it in
-    a row computes differently, which no short check can see. One row of 3 x 3100 tokens (what one row gives a
-    micro-batch of three 3100-token sequences) differs from offset 8191 on; packed rows of 3100 are exact."""
+    a row computes differently, which no short check can see. One row of 3 x 2800 tokens (what one row gives a
+    micro-batch of three 2800-token sequences) differs from the tile that crosses 8192 on; packed rows of 2800 are
+    exact. (The suite's one row past 8192 tokens, on a hidden-16 model.)"""
     model = build_family("llama4", max_position_embeddings=16384)
-    batch = pad(make_examples(3, seed=15, lengths=(3100, 3100)))
+    batch = pad(make_examples(3, seed=15, lengths=(2800, 2800)))
     assert check_padding_free(model, batch, one_row=True) is None  # 64 tokens see nothing
-    length, why = check_row_offsets(model, batch, 9300)
-    assert length == 3 * (9300 // 4) and "row offset 6975" in why  # the tile that straddles 8192
-    assert check_row_offsets(model, batch, 3100) == (3100, None)
+    length, why = check_row_offsets(model, batch, 8400)
+    assert length == 6300 and "row offset 6300" in why  # tiles of 2100: the fourth straddles 8192
+    assert check_row_offsets(model, batch, 2800) == (2800, None)
 
 
 def test_llama4_falls_back_to_rows_it_verified(tmp_path, caplog, monkeypatch):
@@ -448,6 +449,31 @@ def test_llama4_falls_back_to_rows_it_verified(tmp_path, caplog, monkeypatch):
     assert (
         relative_error(micro_batch_gradient(model, remove_padding(batch)), micro_batch_gradient(model, batch)) > 1e-6
     )
+
+
+def test_one_row_verified_to_an_offset_keeps_longer_micro_batches_padded(tmp_path, caplog, monkeypatch):
+    """Flash attention (one row only: its packed rows would leak) on the Llama 4 above: one row is exact up to the
+    offset the check verified, so a micro-batch with more real tokens trains padded, and the step is exact."""
+    import hfacc.padding_free as padding_free
+
+    check = padding_free.check_padding_free
+    monkeypatch.setattr(padding_free, "uses_one_row", lambda model: True)
+    monkeypatch.setattr(
+        padding_free,
+        "check_padding_free",
+        lambda model, batch, one_row=None: check(model, batch, one_row) if one_row else "rows leak under flash",
+    )
+    model = build_family("llama4", floor_scale=64, attention_chunk_size=64, initializer_range=0.5)
+    examples = make_examples(4, seed=16, lengths=(20, 30)) + make_examples(4, seed=19, lengths=(5, 12))
+    reference = padded_reference(model, examples, 4)
+    seen, _ = record_inputs(model)
+    trainer, capture, warnings = train_family(tmp_path, caplog, model, examples)
+    assert relative_error(capture.grads[0], reference) <= 1e-6
+    assert trainer.padding_free and trainer.padding_free_one_row and trainer.padding_free_max_row == 50
+    assert len(warnings) == 1 and "(one row), at most 50 tokens per row" in warnings[0]
+    assert "a micro-batch with more real tokens stays padded" in warnings[0]
+    # The first micro-batch (99 real tokens) trains padded, the second (34) in one row.
+    assert [(shape[0], masked) for shape, masked in seen[-2:]] == [(4, True), (1, False)]
 
 
 def test_rows_never_lay_a_sequence_past_the_verified_length():
