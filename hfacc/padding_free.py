@@ -404,10 +404,9 @@ def padded_neftune_noise(model: nn.Module, padded: Mapping[str, Any], laid: Mapp
     hfacc's, around stock's own, put the embeddings back in the padded shape for stock's hook and lay its result out
     again, so the noise is drawn for ``[B, T, hidden]`` from the same random stream as stock's.
     """
-    base = get_base_model(model)
-    embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
     index = laid.get("padded_index")
-    if embeddings is None or index is None or getattr(embeddings, "neftune_noise_alpha", None) is None:
+    embeddings = None if index is None else _input_embeddings(model)
+    if embeddings is None or getattr(embeddings, "neftune_noise_alpha", None) is None:
         yield
         return
     shape = tuple(padded["attention_mask"].shape)
@@ -461,10 +460,19 @@ def _check_batch(batch: Mapping[str, Any], lengths: list[int], left: bool) -> di
     return {"input_ids": padded_ids, "attention_mask": padded_mask, "labels": labels}
 
 
-def _vocab_size(model: nn.Module, ids: torch.Tensor) -> int:
+def _input_embeddings(model: nn.Module) -> nn.Module | None:
+    """The model's input embedding module, or None (a plain module, or a transformers class that does not say)."""
     base = get_base_model(model)
-    embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
-    size = getattr(embeddings, "num_embeddings", None) or getattr(getattr(base, "config", None), "vocab_size", None)
+    try:
+        embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    except NotImplementedError:
+        return None
+    return embeddings if isinstance(embeddings, nn.Module) else None
+
+
+def _vocab_size(model: nn.Module, ids: torch.Tensor) -> int:
+    size = getattr(_input_embeddings(model), "num_embeddings", None)
+    size = size or getattr(getattr(get_base_model(model), "config", None), "vocab_size", None)
     return int(size) if size else int(ids.max()) + 2
 
 
@@ -483,15 +491,14 @@ class _Run(NamedTuple):
 
 def _run_check(model: nn.Module, batch: Mapping[str, Any], with_grad: bool) -> _Run:
     """One forward of the check (and, ``with_grad``, the gradient with respect to the input embeddings)."""
-    base = get_base_model(model)
-    embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    embeddings = _input_embeddings(model)
     leaf = []
 
     def capture(module, args, output):  # the embeddings as a leaf of their own: the gradient stops here
         leaf.append(output.detach().requires_grad_())
         return leaf[-1]
 
-    handle = embeddings.register_forward_hook(capture) if with_grad and isinstance(embeddings, nn.Module) else None
+    handle = embeddings.register_forward_hook(capture) if with_grad and embeddings is not None else None
     try:
         with torch.set_grad_enabled(with_grad):
             outputs = model(**model_inputs(batch), use_cache=False)
