@@ -52,9 +52,10 @@ def remove_padding(batch: Mapping[str, Any], one_row: bool = True, max_row_lengt
     best-fit decreasing into rows as wide as the longest one: attention that masks a dense ``[rows, W, W]`` block
     (sdpa, eager) then computes less than on one ``[N, N]`` row, and the little room left at the end of a row is
     filled by one more sequence of its own (position 0, 1, ..., no target), which nothing else attends to. The filler
-    repeats a real token of the batch (the middle one of its first sequence), never padding: a pad token's embedding
-    may be zero (``padding_idx``), which some models cannot backpropagate through (Gemma3n: NaN), and a pad id at
-    the end of a row without ``attention_mask`` makes transformers warn that the input "may be padded".
+    repeats the batch's first token (a real one, and text: never an image placeholder), never padding: a pad
+    token's embedding may be zero (``padding_idx``), which some models cannot backpropagate through (Gemma3n: NaN),
+    and a pad id at the end of a row without ``attention_mask`` makes transformers warn that the input "may be
+    padded".
 
     ``max_row_length`` (0: none) is the longest row :func:`check_row_offsets` verified: no sequence is laid past it,
     except a row's first sequence, which starts at 0 as it does padded. Packed rows then hold at most that many
@@ -102,7 +103,7 @@ def remove_padding(batch: Mapping[str, Any], one_row: bool = True, max_row_lengt
     else:
         width = max(lengths)
         rows = best_fit_decreasing(lengths, min(width, max_row_length) if max_row_length else width)
-    filler_source = first[0] + lengths[0] // 2  # flat index of the real token the filler repeats
+    filler_source = first[0]  # the flat index of the token the filler repeats: the batch's first (a text token)
     # For every output position: the flat index of its token in the padded batch, its position in its sequence, and
     # its original row (-1: filler).
     index, positions, owner = [], [], []
@@ -236,10 +237,10 @@ def check_padding_free(
         ("its auxiliary (router) loss", _relative(laid.aux, reference.aux), tolerance),
     ]
     if reference.grad is not None and laid.grad is not None:
+        expected = reference.grad[mask]  # at the real positions (a zero pad embedding may give NaN at padding)
         if not torch.isfinite(laid.grad).all():
-            padded_too = "" if torch.isfinite(reference.grad).all() else " (nor padded: the data itself gives one)"
+            padded_too = "" if torch.isfinite(expected).all() else " (nor padded: the data itself gives one)"
             return f"its gradient is not finite{padded_too}"
-        expected = reference.grad[mask]
         checks.append(("its gradient", _relative(unpadded(laid.grad), expected), tolerance))
         filler = laid.grad[~real].double()
         if filler.numel():  # nothing reads the filler: no gradient reaches it unless something counts it
