@@ -49,7 +49,7 @@ from hfacc import TokenWeightedArguments, TokenWeightedTrainer  # noqa: E402
 from hfacc.fused_loss import FusedOutputHead  # noqa: E402
 from hfacc.loss import shift_labels  # noqa: E402
 from hfacc.memory import peak_memory  # noqa: E402
-from hfacc.objective import CausalLMObjective  # noqa: E402
+from hfacc.objectives import CausalLMObjective  # noqa: E402
 from hfacc.padding_free import remove_padding, uses_one_row  # noqa: E402
 
 BS, GA, MIN_LEN, MAX_LEN = 8, 2, 32, 512

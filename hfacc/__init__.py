@@ -7,7 +7,6 @@ from .batching import TokenBudgetBatchSampler, pack_dataset, pack_examples
 from .collator import DataCollatorForCausalLM
 from .data import DataArguments, build_sft_dataset, load_sft_source
 from .distributed import get_gradient_scale
-from .function_objective import FunctionObjective, LossFunctionObjective
 from .loss import (
     IGNORE_INDEX,
     LossSums,
@@ -21,19 +20,22 @@ from .loss import (
     squared_error_sums,
 )
 from .modeling import ModelArguments, apply_lora, build_tiny_llama, get_tokenizer, load_causal_lm
-from .objective import (
+from .objectives import (
     CausalLMObjective,
+    FunctionObjective,
+    LossFunctionObjective,
     ModelLossObjective,
     MultiLabelObjective,
     Objective,
     RegressionObjective,
     SequenceClassificationObjective,
     TokenObjective,
+    get_objective,
 )
-from .objective_choice import get_objective
 from .step_gate import NonFiniteLossError
 from .trainer import TokenWeightedTrainer
 from .verify import verify_accumulation
+from .vision import DataCollatorForVisionLM, get_processor
 
 __version__ = "0.1.0"
 
@@ -49,6 +51,8 @@ __all__ = [
     "load_sft_source",
     "DataArguments",
     "DataCollatorForCausalLM",
+    "DataCollatorForVisionLM",
+    "get_processor",
     "TokenBudgetBatchSampler",
     "pack_examples",
     "pack_dataset",

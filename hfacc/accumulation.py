@@ -26,7 +26,7 @@ from torch import nn
 
 from .distributed import fsdp2_no_sync, get_gradient_scale, is_fsdp2
 from .loss import LossSums, WindowCounts, normalize_window_loss
-from .objective import CausalLMObjective, Objective
+from .objectives import CausalLMObjective, Objective
 from .window import count_window
 
 
@@ -105,14 +105,15 @@ def accumulation_window(
         normalization: ``"token"`` (default), ``"sequence"`` or ``"micro_batch"``.
     """
     objective = objective or CausalLMObjective()
+    size = 2
     if isinstance(objective, Objective):
-        count = objective.count
+        count, size = objective.count, len(objective.units)
     else:
 
         def count(batch):
             n = torch.as_tensor(objective(batch), device=accelerator.device).long()
             return torch.stack([n, (n > 0).long()])
 
-    window = count_window(count, batches, accelerator)
+    window = count_window(count, batches, accelerator, size=size)
     for i, batch in enumerate(batches):
         yield MicroBatch(batch, i, window, i == len(batches) - 1, accelerator, model, normalization)

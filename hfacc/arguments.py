@@ -15,7 +15,7 @@ import torch
 from transformers import TrainingArguments
 
 from .loss import NORMALIZATIONS
-from .objective_choice import OBJECTIVES
+from .objectives import OBJECTIVES
 
 
 @dataclass
@@ -88,6 +88,13 @@ class TokenWeightedArguments(TrainingArguments):
         default=10,
         metadata={"help": "Stop with an error after this many skipped non-finite steps (0: never stop)."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh in an output_dir that holds another run's checkpoints: they are deleted first. "
+            "Without it such a run is refused (it would mix with them: resuming could continue theirs)."
+        },
+    )
     audit_every_n_steps: int = field(
         default=0,
         metadata={
@@ -128,6 +135,8 @@ def validate_settings(args: TokenWeightedArguments) -> None:
         raise ValueError("audit_tolerance must be >= 0 (0 derives it from the training precision).")
     if args.max_skipped_steps < 0:
         raise ValueError("max_skipped_steps must be >= 0 (0 never stops training).")
+    if args.learning_rate < 0:
+        raise ValueError(f"learning_rate={args.learning_rate}: it must be >= 0.")
     if args.gradient_accumulation_steps < 1:
         raise ValueError(
             f"gradient_accumulation_steps={args.gradient_accumulation_steps}: it must be >= 1 (1 = no accumulation)."
@@ -153,6 +162,23 @@ def as_token_weighted_arguments(args: TrainingArguments | None) -> TokenWeighted
 
 @functools.cache
 def _with_hfacc_settings(cls: type) -> type:
+    """``cls`` with hfacc's fields: a class made here at run time, which pickle cannot find by its name.
+
+    Its objects pickle as "this class made from ``cls``, with this state" (``cls`` itself pickles by name), so
+    ``torch.save(args)`` (every checkpoint's ``training_args.bin``) and ``torch.load`` in a fresh process work.
+    """
     if cls is TrainingArguments:
         return TokenWeightedArguments
-    return dataclass(type(f"TokenWeighted{cls.__name__}", (cls, TokenWeightedArguments), {}))
+    namespace = {"__reduce__": _reduce_converted, "__module__": __name__, "_hfacc_base": cls}
+    return dataclass(type(f"TokenWeighted{cls.__name__}", (cls, TokenWeightedArguments), namespace))
+
+
+def _reduce_converted(args):
+    return _rebuild_converted, (type(args)._hfacc_base, dict(args.__dict__))
+
+
+def _rebuild_converted(base: type, state: dict):
+    """The converted arguments of a ``base`` subclass, as pickled by :func:`_reduce_converted`."""
+    args = object.__new__(_with_hfacc_settings(base))
+    args.__dict__.update(state)
+    return args

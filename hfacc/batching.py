@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from .loss import IGNORE_INDEX, get_sequence_starts
+from .multimodal import IMAGE_COLUMN, check_image_layout, get_image_inputs, unpack_rows, with_packed_positions
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +178,11 @@ def pack_examples(examples: Sequence[dict], max_length: int) -> list[dict]:
     for i, length in enumerate(lengths):
         if length > max_length:
             raise ValueError(f"example {i} has {length} tokens, more than the packing length {max_length}.")
+    # Examples with images (hfacc.vision) keep them, in order: a row's images are its sequences' images.
+    images = any(e.get(IMAGE_COLUMN) for e in examples)
     packed = []
     for members in best_fit_decreasing(lengths, max_length):
-        ids, labels, positions = [], [], []
+        ids, labels, positions, pictures = [], [], [], []
         for i in members:
             seq = list(examples[i]["input_ids"])
             given = examples[i].get("labels")
@@ -189,7 +192,10 @@ def pack_examples(examples: Sequence[dict], max_length: int) -> list[dict]:
             ids += seq
             labels += [IGNORE_INDEX] + lab[1:]
             positions += list(range(len(seq)))
+            pictures += list(examples[i].get(IMAGE_COLUMN) or [])
         packed.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+        if images:
+            packed[-1][IMAGE_COLUMN] = pictures
     return packed
 
 
@@ -197,7 +203,8 @@ def pack_dataset(dataset, max_length: int):
     """:func:`pack_examples` for a ``datasets.Dataset`` with ``input_ids`` and ``labels``; logs the row count."""
     import datasets
 
-    rows = pack_examples(dataset.select_columns(["input_ids", "labels"]).to_list(), max_length)
+    columns = [c for c in ("input_ids", "labels", IMAGE_COLUMN) if c in dataset.column_names]
+    rows = pack_examples(dataset.select_columns(columns).to_list(), max_length)
     tokens = sum(len(r["input_ids"]) for r in rows)
     logger.info(
         "hfacc: packed %d examples into %d rows of <= %d tokens (%.1f %% full).",
@@ -206,6 +213,11 @@ def pack_dataset(dataset, max_length: int):
         max_length,
         100 * tokens / max(len(rows) * max_length, 1),
     )
+    if IMAGE_COLUMN in columns:  # image references stay references (never decoded pixels in Arrow)
+        features = datasets.Features(
+            {**dataset.features.copy(), "position_ids": datasets.List(datasets.Value("int64"))}
+        )
+        return datasets.Dataset.from_list(rows, features=datasets.Features({c: features[c] for c in rows[0]}))
     return datasets.Dataset.from_list(rows)
 
 
@@ -257,6 +269,8 @@ def check_packing(model, batch, tolerance: float | None = None) -> str | None:
     problem = position_ids_problem(get_base_model(model))
     if problem:
         return problem
+    if get_image_inputs(batch):  # rows with images: all of them, against their sequences padded (hfacc.multimodal)
+        return check_image_layout(model, unpack_rows(batch), batch, tolerance)
     if tolerance is None:
         tolerance = get_tolerance(next(model.parameters()).dtype)
     was_training = model.training
@@ -264,7 +278,8 @@ def check_packing(model, batch, tolerance: float | None = None) -> str | None:
     try:
         positions = batch["position_ids"][:1]
         ids = batch["input_ids"][:1]
-        packed = get_logits(model(input_ids=ids, position_ids=positions, use_cache=False)).double()
+        inputs = with_packed_positions(model, {"input_ids": ids, "position_ids": positions})  # mrope models
+        packed = get_logits(model(**inputs, use_cache=False)).double()
         starts = get_sequence_starts(positions[0]).nonzero().flatten().tolist() + [positions.shape[1]]
         worst = 0.0
         for a, b in zip(starts[:-1], starts[1:], strict=True):

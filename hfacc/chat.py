@@ -19,22 +19,30 @@ rendering (:func:`get_assistant_spans`):
    - the turn starts where its prompt ends. The prompt for turn k ends with what the template writes after the
      conversation so far when asked for a generation prompt (``<|im_start|>assistant\\n``, ``<|start|>assistant``,
      ``[/INST]`` already in the user's segment, ``<｜tool▁outputs▁end｜>`` after tool results, ...). That text is
-     matched where the previous message's segment ends, never searched for. A turn rendered with only the first
-     tokens of it (a past turn whose empty thinking block the template drops) starts after those tokens. A turn with
-     no earlier segment (a conversation that opens with the assistant, or a first user message a template renders
+     matched where the previous message's segment ends, never searched for; where the template indents its loop
+     body and its generation prompt differently, up to whitespace (``"  <｜Assistant｜>"`` against
+     ``"      <｜Assistant｜>"``). A turn rendered with only the first tokens of it (a past turn whose empty
+     thinking block the template drops) starts after those tokens, when they hold a special token: a prefix of plain
+     text (the whitespace before ``###Assistant:``) would be a guess, and the row is refused instead. A turn with no
+     earlier segment (a conversation that opens with the assistant, or a first user message a template renders
      before its loop) is placed behind a probe user message, where the conversation-opening text the template
      writes into the turn's segment (BOS, a default system prompt) moves to the probe;
    - the turn ends where its segment ends, less trailing whitespace (scaffolding such as the newline after
-     ``<|im_end|>``). A segment that does not end in a special token has no end-of-turn marker of its own: the
-     template ends the turn with the next message's role marker (GLM-4 ``<|user|>``, ``<|observation|>``), which the
-     model must learn to emit to stop, so that special token is trained with the turn.
+     ``<|im_end|>``), or earlier, where the template writes the messages that follow into the turn's segment while
+     their own iterations write nothing (Gemma 4 renders the tool results after a call inside the call's
+     iteration): there the turn's text is what its iteration writes without them. A segment that does not end in a
+     special token has no end-of-turn marker of its own: the template ends the turn with the next message's role
+     marker (GLM-4 ``<|user|>``, ``<|observation|>``) or, after the last turn, with the special token it writes once
+     its loop is done (Jamba's ``<|eom|>``, Metharme's EOS). The model must learn to emit it to stop, so that token
+     is trained with the turn.
 
    Because segments come from the full rendering, everything the template writes for the turn there (reasoning it
    keeps, tool calls, channel headers, the end-of-turn marker) is trained, and nothing of another message is:
    system, user and tool text, tool schemas and default system prompts lie in other segments or outside all loops.
-3. A template whose loops cannot be traced (it iterates over indices, or renders inside a macro) falls back to the
-   prefix renders above, accepted only when they are true prefixes of the conversation; otherwise the row is refused
-   with an error that names it.
+3. A turn the template writes outside its loops (Nemotron-Nano-v2 writes the last assistant turn after its loop), or
+   every turn of a template whose loops cannot be traced (it iterates over indices, or renders inside a macro),
+   comes from the prefix renders above, accepted only when they are true prefixes of the conversation; otherwise the
+   row is refused with an error that names it.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ METHODS = {
     "generation": "{% generation %} markers",
     "segments": "the template's message segments",
     "prefix": "prefix renders",
+    "segments_and_prefix": "the template's message segments and prefix renders",
 }
 PROBE_TEXT = "hfacc probe"
 _MARK = "hfacc_loop_mark"
@@ -82,36 +91,47 @@ class Rendering:
 
 
 def get_assistant_spans(
-    tokenizer, messages: list[dict], trainable: Sequence[int], tools: list[dict] | None = None
+    tokenizer,
+    messages: list[dict],
+    trainable: Sequence[int],
+    tools: list[dict] | None = None,
+    chat_template: str | None = None,
 ) -> AssistantSpans:
     """Render ``messages`` with the tokenizer's chat template; return the text and the spans of ``trainable`` turns.
 
     ``messages`` are plain dicts (see :func:`hfacc.data.normalize_messages`); ``trainable`` are indices of assistant
     messages. The method is described in this module's docstring. Raises :class:`ChatTemplateError` when the
-    template's output cannot be attributed to messages.
+    template's output cannot be attributed to messages. ``chat_template`` renders instead of the tokenizer's own (a
+    vision-language processor's template, :mod:`hfacc.vision`).
     """
-    renderer = get_renderer(tokenizer, tools)
+    renderer = get_renderer(tokenizer, tools, chat_template)
     messages = renderer.adapt_content(messages)
     full = renderer.render(messages, tools)
     if full is None or not renderer.same_as_reference(full.text, messages, tools):
         return _prefix_spans(renderer, messages, trainable, tools, renderer.reference(messages, tools))
     if renderer.has_generation:
         return _generation_spans(renderer, messages, trainable, full)
-    if full.segments is None or any(full.segments[k] is None for k in trainable):
+    if full.segments is None:
         return _prefix_spans(renderer, messages, trainable, tools, full.text)
-    spans, unclosed = [], 0
+    spans, unclosed, by_prefix = [], 0, 0
     for k in trainable:
-        start = _turn_start(renderer, messages, k, tools, full)
-        end, closed = _turn_end(renderer, full, k)
+        if full.segments[k] is None:  # written outside the template's loops (Nemotron-Nano-v2's last turn)
+            start, end = _prefix_span(renderer, messages, k, tools, full.text, "the template writes it after its loop")
+            closed, by_prefix = renderer.special_at_end(full.text, end), by_prefix + 1
+        else:
+            start = _turn_start(renderer, messages, k, tools, full)
+            end, closed = _turn_end(renderer, messages, k, tools, full)
         unclosed += not closed
         if end > start:
             spans.append((start, end))
-    return AssistantSpans(full.text, spans, METHODS["segments"], unclosed)
+    method = "segments" if not by_prefix else "prefix" if by_prefix == len(trainable) else "segments_and_prefix"
+    return AssistantSpans(full.text, spans, METHODS[method], unclosed)
 
 
-def get_renderer(tokenizer, tools=None) -> ChatRenderer:
-    """The (cached) renderer of the template ``apply_chat_template`` would use for these tools."""
-    template = tokenizer.get_chat_template(None, tools)
+def get_renderer(tokenizer, tools=None, chat_template: str | None = None) -> ChatRenderer:
+    """The (cached) renderer of the template ``apply_chat_template`` would use for these tools (or of
+    ``chat_template``, given)."""
+    template = chat_template or tokenizer.get_chat_template(None, tools)
     per_tokenizer = _RENDERERS.setdefault(tokenizer, {})
     if template not in per_tokenizer:
         per_tokenizer[template] = ChatRenderer(tokenizer, template)
@@ -207,6 +227,10 @@ class ChatRenderer:
         for message in messages:
             content = message.get("content")
             if self.content_mode == "string" and isinstance(content, list):
+                if any(part.get("type") != "text" for part in content):  # an image part (hfacc.vision)
+                    raise ChatTemplateError(
+                        "the chat template reads message content as a string, so it has no place for an image part"
+                    )
                 message = {**message, "content": "".join(part["text"] for part in content)}
             elif self.content_mode == "parts" and isinstance(content, str):
                 message = {**message, "content": [{"type": "text", "text": content}]}
@@ -229,7 +253,7 @@ class ChatRenderer:
     def _probe_content_mode(self) -> str:
         """Render probe conversations with string and with text-part content: which does the template read?
 
-        Read means every probe text is in the output and no part was dumped as a dict (``'type'``/``"type"``).
+        Read means every probe text is in the output and no part was dumped as a dict (:func:`_dumped_parts`).
         The probe with a system message counts only where the template accepts a system message at all.
         """
 
@@ -245,7 +269,7 @@ class ChatRenderer:
             except ChatTemplateError:
                 return False
             probes = [m["content"] if isinstance(m["content"], str) else m["content"][0]["text"] for m in conversation]
-            return all(p in text for p in probes) and "'type'" not in text and '"type"' not in text
+            return all(p in text for p in probes) and not _dumped_parts(text, probes)
 
         def as_parts(text):
             return [{"type": "text", "text": text}]
@@ -259,6 +283,13 @@ class ChatRenderer:
         if parts and not strings:
             return "parts"
         return "either"
+
+
+def _dumped_parts(text: str, probes: Sequence[str]) -> bool:
+    """Whether a rendering shows a probe's content part as a dict or JSON (``{'type': 'text', 'text': 'hfacc
+    probe one'}``): the probe's text right after a ``text`` key. Not ``"type"`` anywhere: a template's own text may
+    hold it (Hermes' tool prompt does)."""
+    return any(f"{q}text{q}: {q}{p}" in text for p in probes for q in "'\"")
 
 
 def _compile_traced(template: str):
@@ -422,31 +453,105 @@ def _prompt_tail(renderer: ChatRenderer, head: list[dict], previous: int, tools,
 
 
 def _match_prefix(renderer: ChatRenderer, tail: str, text: str, at: int) -> int | None:
-    """Length of ``tail`` found at ``text[at:]``: all of it, or its longest prefix made of whole tokens of it."""
+    """Length of the text at ``text[at:]`` that is the prompt ``tail``, or None where it is not there.
+
+    In this order: all of ``tail``; all of it up to whitespace (templates indent their loop body and their
+    generation prompt differently: ``"  <｜Assistant｜>"`` after the loop, ``"      <｜Assistant｜>"`` inside it);
+    or its longest prefix of whole tokens that holds a special token (a past turn whose empty thinking block the
+    template drops: ``<|im_start|>assistant\\n`` of ``<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n``). A prefix
+    without a special token is never taken: it would be a guess (the whitespace before ``###Assistant:`` matches,
+    and the header would be trained).
+    """
     if text.startswith(tail, at):
         return len(tail)
+    loose = _match_ignoring_whitespace(tail, text, at)
+    if loose is not None:
+        return loose
     for boundary in reversed(renderer.token_boundaries(tail)):
-        if text.startswith(tail[:boundary], at):
+        if text.startswith(tail[:boundary], at) and any(s in tail[:boundary] for s in renderer.specials):
             return boundary
     return None
 
 
-def _turn_end(renderer: ChatRenderer, full: Rendering, k: int) -> tuple[int, bool]:
+def _match_ignoring_whitespace(tail: str, text: str, at: int) -> int | None:
+    """Length of ``text[at:]`` holding ``tail`` with its whitespace runs matched by any whitespace (or none), and
+    the whitespace that follows where ``tail`` ends in whitespace; None if it does not hold it."""
+    pieces = tail.split()
+    pattern = r"\s*" + r"\s*".join(map(re.escape, pieces)) + (r"\s*" if tail[-1:].isspace() else "")
+    found = re.compile(pattern).match(text, at)
+    return None if found is None else found.end() - at
+
+
+def _turn_end(renderer: ChatRenderer, messages, k, tools, full: Rendering) -> tuple[int, bool]:
     """End of assistant message k's trained text, and whether it ends on an end-of-turn marker."""
     start, end = full.segments[k]
     text = full.text
-    while end > start and text[end - 1].isspace():
-        end -= 1  # the newline after the end-of-turn token is scaffolding, not something to learn to emit
-    if renderer.special_at_end(text, end):
-        return end, True
-    # No marker of its own: the template ends the turn with the next message's role marker, right after it.
+    own = _own_end(renderer, messages, k, tools, full)
+    trimmed = own
+    while trimmed > start and text[trimmed - 1].isspace():
+        trimmed -= 1  # the newline after the end-of-turn token is scaffolding, not something to learn to emit
+    if renderer.special_at_end(text, trimmed):
+        return trimmed, True
+    if own < end:  # later messages' text follows in the segment: no marker of the next message to look for
+        return trimmed, False
     following = [s for s in full.segments[k + 1 :] if s is not None]
-    boundary = full.segments[k][1]
-    if following and following[0][0] == boundary:
-        marker = renderer.special_at(text, boundary)
-        if marker is not None:
-            return boundary + len(marker), True
-    return end, False
+    marker = renderer.special_at(text, end)
+    # No marker of its own: the template ends the turn with the next message's role marker, right after it
+    # (GLM-4 <|user|>), or, after its last turn, with the marker it writes once the loop is done (Jamba's <|eom|>,
+    # Metharme's EOS): the model must learn to emit it to stop, so it is trained with the turn.
+    if marker is not None and (not following or following[0][0] == end):
+        return end + len(marker), True
+    return trimmed, False
+
+
+def _own_end(renderer: ChatRenderer, messages, k, tools, full: Rendering) -> int:
+    """Where assistant message k's own text ends in its segment: before what the template wrote there for the
+    messages right after it whose own loop iterations wrote nothing (Gemma 4 renders the tool results that follow a
+    tool call inside the call's iteration).
+
+    The turn's own text is what its iteration writes without those messages: the segment of the conversation
+    rendered without them (or, where the template refuses that, ending with turn k), as far as it agrees with the
+    full one. Cut only where the text beyond holds such a message's content; else the segments differ for another
+    reason (a template that ends the last turn differently, GPT-OSS) and the segment stays whole.
+    """
+    start, end = full.segments[k]
+    silent = k + 1
+    while silent < len(messages) and not _wrote(full, silent):
+        silent += 1
+    contents = [c for c in (_text_of(m) for m in messages[k + 1 : silent]) if c.strip()]
+    if not any(c in full.text[start:end] for c in contents):
+        return end
+    for without in (messages[: k + 1] + messages[silent:], messages[: k + 1]):
+        try:
+            alone = renderer.render(without, tools)
+        except ChatTemplateError:
+            continue
+        segment = alone.segments[k] if alone.segments is not None else None
+        if segment is None:
+            continue
+        own = alone.text[segment[0] : segment[1]]
+        if own == full.text[start:end]:
+            return end  # the same text without them: theirs is not in it (the content matched by chance)
+        cut = start + _common_prefix(full.text[start:end], own, renderer.specials)
+        if any(c in full.text[cut:end] for c in contents):
+            return cut
+    raise ChatTemplateError(
+        f"the chat template writes message {k + 1} inside assistant message {k}'s turn, and hfacc cannot tell where "
+        "the assistant's text ends. Add {% generation %} markers to the chat template."
+    )
+
+
+def _wrote(rendering: Rendering, j: int) -> bool:
+    """Whether message j's own loop iteration wrote anything but whitespace."""
+    segment = rendering.segments[j]
+    return segment is not None and bool(rendering.text[segment[0] : segment[1]].strip())
+
+
+def _text_of(message: dict) -> str:
+    content = message.get("content")
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
 
 
 def _generation_spans(renderer: ChatRenderer, messages, trainable, full: Rendering) -> AssistantSpans:
@@ -484,21 +589,24 @@ def _owners(blocks, segments) -> list[int] | None:
 
 
 def _prefix_spans(renderer: ChatRenderer, messages, trainable, tools, text: str) -> AssistantSpans:
-    """Fallback for untraceable templates: the prompt for turn k and the conversation through it, when both are
-    true prefixes of the full rendering (a template that rewrites earlier turns is refused, never guessed)."""
-    spans = []
-    for k in trainable:
-        before = renderer.reference(messages[:k], tools, add_generation_prompt=True) if k else ""
-        through = renderer.reference(messages[: k + 1], tools).rstrip()
-        if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)) or not k:
-            raise ChatTemplateError(
-                f"hfacc cannot attribute the chat template's output to assistant message {k}: the template's loops "
-                "cannot be traced and it renders the conversation differently from its prefixes. Add "
-                "{% generation %} markers to the chat template."
-            )
-        spans.append((len(before), len(through)))
+    """Fallback for untraceable templates: every trainable turn by :func:`_prefix_span`."""
+    why = "the template's loops cannot be traced"
+    spans = [_prefix_span(renderer, messages, k, tools, text, why) for k in trainable]
     unclosed = sum(not renderer.special_at_end(text, end) for _, end in spans)
     return AssistantSpans(text, spans, METHODS["prefix"], unclosed)
+
+
+def _prefix_span(renderer: ChatRenderer, messages, k, tools, text: str, why: str) -> tuple[int, int]:
+    """Turn k from the prompt for it and the conversation through it, when both are true prefixes of the full
+    rendering ``text`` (a template that rewrites earlier turns is refused, never guessed)."""
+    before = renderer.reference(messages[:k], tools, add_generation_prompt=True) if k else ""
+    through = renderer.reference(messages[: k + 1], tools).rstrip()
+    if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)) or not k:
+        raise ChatTemplateError(
+            f"hfacc cannot attribute the chat template's output to assistant message {k}: {why} and it renders "
+            "the conversation differently from its prefixes. Add {% generation %} markers to the chat template."
+        )
+    return len(before), len(through)
 
 
 def _shape(value: Any) -> Any:

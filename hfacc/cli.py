@@ -64,6 +64,7 @@ def run_verify(argv: list[str], guard) -> int:
     from .modeling import ModelArguments, load_model_and_tokenizer
     from .sft import SFTArguments
     from .verify import VerifyArguments, verify_accumulation
+    from .vision import DataCollatorForVisionLM, is_vision_processor
 
     verify_args, model_args, data_args = guard.settings = parse_args(
         [VerifyArguments, ModelArguments, DataArguments],
@@ -78,10 +79,14 @@ def run_verify(argv: list[str], guard) -> int:
     )
     # Extra rows: some may be dropped (no target left after truncation).
     examples = build_examples(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
+    if is_vision_processor(tokenizer):  # a vision-language model's processor: images decoded per micro-batch
+        collate = DataCollatorForVisionLM(tokenizer)
+    else:
+        collate = DataCollatorForCausalLM(tokenizer.pad_token_id)
     report = verify_accumulation(
         model,
         [examples[i] for i in range(min(len(examples), need))],
-        DataCollatorForCausalLM(tokenizer.pad_token_id),
+        collate,
         micro_batch_size=verify_args.per_device_train_batch_size,
         gradient_accumulation_steps=verify_args.gradient_accumulation_steps,
         normalization=verify_args.normalization,
@@ -107,7 +112,7 @@ def run_verify(argv: list[str], guard) -> int:
 def run_show_mask(argv: list[str], guard) -> int:
     import datasets
 
-    from .config import parse_args
+    from .config import ConfigError, parse_args
     from .data import (
         DataArguments,
         DataError,
@@ -119,20 +124,28 @@ def run_show_mask(argv: list[str], guard) -> int:
         render_mask,
     )
     from .loss import count_example_targets
-    from .modeling import ModelArguments, load_model_and_tokenizer
+    from .modeling import ModelArguments, load_tokenizer
+    from .sources import SOURCE_ROW
+    from .vision import encode_vision_row, is_vision_processor, render_vision_mask
 
     show, model_args, data_args = guard.settings = parse_args(
         [ShowMaskArguments, ModelArguments, DataArguments], argv, prog="hfacc show-mask"
     )
-    _, tokenizer = load_model_and_tokenizer(model_args)
+    tokenizer = load_tokenizer(model_args)  # the mask needs no model (a folder may hold only the tokenizer)
     legend = "\x1b[1;32mgreen\x1b[0m" if show.color else "[[ ]]"
-    print(f"Tokens that carry loss are {legend}; everything else has label -100.\n")
+    vision = is_vision_processor(tokenizer)  # a vision-language model's processor
+    images = " Image tokens are shown as [image: N tokens] (never trained)." if vision else ""
+    print(f"Tokens that carry loss are {legend}; everything else has label -100.{images}\n")
     options = data_args.sft_options()
-    for i, row in enumerate(example_rows(data_args, count=show.count, start=show.index)):
+    rows = example_rows(data_args, count=show.count, start=show.index, in_order=True)
+    if not len(rows):
+        raise ConfigError(f"--index {show.index}: the data has fewer rows; choose an index below its row count.")
+    for row in rows:
         # One row at a time, built exactly as training builds it, with what it holds and how it was masked.
-        fmt = detect_format(list(row)) if options["format"] == "auto" else options["format"]
-        method = encode_row(tokenizer, row, i, fmt, last_turn_only=options["last_turn_only"])[2]
-        header = f"--- example {show.index + i}"
+        fmt = detect_format([c for c in row if c != SOURCE_ROW]) if options["format"] == "auto" else options["format"]
+        encode = encode_vision_row if vision else encode_row
+        method = encode(tokenizer, row, row[SOURCE_ROW], fmt, last_turn_only=options["last_turn_only"])[2]
+        header = f"--- example {row[SOURCE_ROW]}"
         try:
             example = build_sft_dataset(datasets.Dataset.from_list([row]), tokenizer, **options)[0]
         except DataError as err:  # no target left after truncation, or too long with truncation='drop'
@@ -146,7 +159,8 @@ def run_show_mask(argv: list[str], guard) -> int:
         )
         if describe_row(row):
             print(describe_row(row))
-        print(render_mask(tokenizer, example["input_ids"], example["labels"], color=show.color))
+        render = render_vision_mask if vision else render_mask
+        print(render(tokenizer, example["input_ids"], example["labels"], color=show.color))
         print()
     return 0
 

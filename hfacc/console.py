@@ -40,6 +40,8 @@ EXIT_INTERRUPTED = 130
 DEBUG_ENV = "HFACC_DEBUG"
 DEBUG_HINT = f"(--debug or {DEBUG_ENV}=1 shows the traceback)"
 HUB_SETTINGS = ("model_name_or_path", "tokenizer_name_or_path", "dataset_name")
+# How gloo and NCCL say that a peer process went away in the middle of a collective.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote process exited")
 
 
 # ---- user errors ------------------------------------------------------------------------------------------------
@@ -73,6 +75,12 @@ def describe_user_error(err: BaseException, settings: Sequence[Any] = ()) -> str
         return f"permission denied: {err.filename}. Choose a path you can write to (e.g. --output_dir)."
     if any(_is_hub_error(e) for e in chain):
         return _hub_message(chain, settings)
+    if any(isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_GONE) for e in chain):
+        return (
+            "another process of this run is gone (its connection closed: it failed or was killed), so this one "
+            "stops too; that process's own message says why. A checkpoint it was writing is incomplete: "
+            "--resume_from_checkpoint last resumes from the newest complete one."
+        )
     return None
 
 
@@ -289,7 +297,7 @@ class ConsoleCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        if "loss" in logs:
+        if "num_targets" in logs or "loss" in logs:  # a training log (without a loss when every step was skipped)
             fields = format_train_log(logs)
             if self.bar is not None:
                 self.bar.set_postfix_str(fields)
@@ -334,7 +342,8 @@ class ConsoleCallback(TrainerCallback):
 
 def format_train_log(logs: dict[str, float], prefix: str = "") -> str:
     """``loss 0.4319  token acc 0.859  1,432 target tok/s`` from a Trainer log (keys ``{prefix}loss`` ...)."""
-    parts = [f"loss {logs[prefix + 'loss']:.4f}"]
+    loss = logs.get(prefix + "loss")
+    parts = [f"loss {loss:.4f}" if loss is not None else "no step applied"]
     if prefix + "token_accuracy" in logs:
         parts.append(f"token acc {logs[prefix + 'token_accuracy']:.3f}")
     if "target_tokens_per_second" in logs:

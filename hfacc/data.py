@@ -34,13 +34,16 @@ from .formats import (  # noqa: F401 (also importable from here, where they live
 )
 from .loss import count_example_targets
 from .sources import (  # noqa: F401 (also importable from here, where they lived before)
+    EMBEDDED_DATASETS,
     LOCAL_FORMATS,
     SOURCE_ROW,
+    get_local_data_files,
     load_sft_source,
     load_stream_source,
     validate_json_file,
 )
 from .streaming import build_sft_stream
+from .vision import IMAGE_COLUMN, encode_vision_row, get_chat_template, get_text_tokenizer, is_vision_processor
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +66,8 @@ def build_sft_dataset(
     Args:
         dataset: a ``datasets.Dataset`` with columns ``messages`` (list of ``{role, content}``), or ``prompt`` and
             ``completion`` (strings, or lists of messages), or ``text``.
-        tokenizer: a fast tokenizer; chat data needs its ``chat_template``.
+        tokenizer: a fast tokenizer; chat data needs its ``chat_template``. Or a vision-language model's processor
+            (``hfacc.get_processor``, ``AutoProcessor``), for conversations with images (:mod:`hfacc.vision`).
         max_length: longest example in tokens (``None``: no limit).
         format: ``"auto"`` (from the columns) or one of ``"messages"``, ``"prompt_completion"``, ``"text"``.
         last_turn_only: for chat data, train on the last assistant turn only (default: every assistant turn).
@@ -77,7 +81,9 @@ def build_sft_dataset(
     Returns:
         A ``datasets.Dataset`` with ``input_ids``, ``attention_mask`` and ``labels``. Loss goes to the completion
         and its EOS (prompt/completion), to the assistant turns with their end-of-turn tokens (chat), or to every
-        token (text). Examples left without a target are dropped, counted in one warning.
+        token (text). Examples left without a target are dropped, counted in one warning. With a processor, also
+        ``images``: references to each example's images (bytes or paths), decoded when batches are made
+        (:class:`hfacc.DataCollatorForVisionLM`); image tokens are never targets.
 
     >>> ds = datasets.Dataset.from_list([{"prompt": "2+2=", "completion": "4"}])   # doctest: +SKIP
     >>> build_sft_dataset(ds, tokenizer)[0]["labels"]                               # doctest: +SKIP
@@ -105,8 +111,13 @@ def build_sft_dataset(
         raise DataError(f"max_length={max_length}: an example needs at least 2 tokens to have a target.")
     if len(dataset) == 0:
         raise DataError("The dataset is empty.")
+    # A vision-language processor (hfacc.vision): its chat template renders, its tokenizer tokenizes, its images are
+    # kept as references for the collator.
+    vision, processor, tokenizer = is_vision_processor(tokenizer), tokenizer, get_text_tokenizer(tokenizer)
+    if vision:
+        dataset = _image_references_undecoded(dataset)
     needs_template = format == "messages" or (format == "prompt_completion" and _is_conversation(dataset[0]["prompt"]))
-    if needs_template and not getattr(tokenizer, "chat_template", None):
+    if needs_template and not (get_chat_template(processor) if vision else getattr(tokenizer, "chat_template", None)):
         raise DataError(
             "Chat data needs a tokenizer with a chat template, and this one has none. Use the tokenizer of an "
             "instruct/chat model, or set one: tokenizer.chat_template = '<jinja template>' (see "
@@ -117,7 +128,13 @@ def build_sft_dataset(
 
     def encode(row: Mapping[str, Any], index: int) -> dict[str, Any]:
         index = row.get(SOURCE_ROW, index)
-        ids, labels, method, unclosed = encode_row(tokenizer, row, index, format, last_turn_only=last_turn_only)
+        images, image_end = None, 0
+        if vision:
+            ids, labels, method, unclosed, images, image_end = encode_vision_row(
+                processor, row, index, format, last_turn_only=last_turn_only
+            )
+        else:
+            ids, labels, method, unclosed = encode_row(tokenizer, row, index, format, last_turn_only=last_turn_only)
         too_long = max_length is not None and len(ids) > max_length
         if too_long and truncation == "error":
             raise DataError(
@@ -127,8 +144,10 @@ def build_sft_dataset(
         if too_long and truncation == "right":
             ids, labels = ids[:max_length], labels[:max_length]
         num_targets = count_example_targets(labels)
-        keep = not (too_long and truncation == "drop") and num_targets > 0
-        return {
+        # A cut through an image's tokens would leave the model fewer tokens than the image's features: dropped.
+        cut_image = too_long and truncation == "right" and image_end > max_length
+        keep = not (too_long and truncation == "drop") and num_targets > 0 and not cut_image
+        out = {
             "input_ids": ids,
             "attention_mask": [1] * len(ids),
             "labels": labels,
@@ -137,6 +156,9 @@ def build_sft_dataset(
             "_masking": method,
             "_unclosed": unclosed,
         }
+        if vision:
+            out[IMAGE_COLUMN] = images
+        return out
 
     if num_proc is None and len(dataset) >= PARALLEL_ROWS:
         num_proc = min(os.cpu_count() or 1, 8)
@@ -176,7 +198,25 @@ def build_sft_dataset(
             f"No example is left after tokenization ({len(encoded)} had no target token or were too long for "
             f"max_length={max_length}). Check the masking (hfacc show-mask) or raise max_length."
         )
-    return kept.remove_columns(["_too_long", "_keep", "_masking", "_unclosed"])
+    kept = kept.remove_columns(["_too_long", "_keep", "_masking", "_unclosed"])
+    if vision:  # references, decoded by the collator when batches are made: never pixels in Arrow
+        import datasets
+
+        kept = kept.cast_column(IMAGE_COLUMN, datasets.List(datasets.Image(decode=False)))
+    return kept
+
+
+def _image_references_undecoded(dataset):
+    """``dataset`` with its image columns read as references (bytes or path), not decoded: building the dataset
+    reads each image's size from its header only."""
+    import datasets
+
+    for name, feature in dataset.features.items():
+        inner = getattr(feature, "feature", feature)  # a list of images, or one image per row
+        if isinstance(inner, datasets.Image) and inner.decode:
+            undecoded = datasets.Image(decode=False)
+            dataset = dataset.cast_column(name, datasets.List(undecoded) if inner is not feature else undecoded)
+    return dataset
 
 
 def _is_stream(dataset: Any) -> bool:
@@ -204,6 +244,14 @@ class DataArguments:
     eval_fraction: float = field(default=0.05, metadata={"help": "Share held out for evaluation (no eval split)."})
     max_examples: int | None = field(default=None, metadata={"help": "Use at most this many training examples."})
     num_embedded_examples: int = field(default=4000, metadata={"help": "Size of the embedded dataset."})
+    embedded_dataset: str = field(
+        default="instructions",
+        metadata={
+            "help": "The embedded dataset (no dataset_name): 'instructions' (six text skills) or 'shapes' "
+            "(pictures of shapes with questions, for a vision-language model).",
+            "choices": list(EMBEDDED_DATASETS),
+        },
+    )
     dataset_format: str = field(
         default="auto",
         metadata={
@@ -294,6 +342,7 @@ def build_datasets(args: DataArguments, tokenizer, seed: int = 0):
         max_examples=args.max_examples,
         seed=seed,
         num_embedded=args.num_embedded_examples,
+        embedded=args.embedded_dataset,
     )
     options = args.sft_options()
     train = build_sft_dataset(raw_train, tokenizer, **options)
@@ -313,19 +362,22 @@ def build_examples(args: DataArguments, tokenizer, count: int, start: int = 0, s
     return build_sft_dataset(example_rows(args, count, start, seed), tokenizer, **args.sft_options())
 
 
-def example_rows(args: DataArguments, count: int, start: int = 0, seed: int = 0):
-    """The raw rows behind :func:`build_examples` (a ``datasets.Dataset``)."""
+def example_rows(args: DataArguments, count: int, start: int = 0, seed: int = 0, in_order: bool = False):
+    """The raw rows behind :func:`build_examples` (a ``datasets.Dataset``). ``in_order``: rows ``start ..
+    start + count`` of the source itself, nothing held out (``hfacc show-mask``: example N is row N)."""
     rows = max(2 * (start + count), 16)
     raw, _ = load_sft_source(
         args.dataset_name,
         config=args.dataset_config,
         split=args.dataset_train_split,
         eval_fraction=0.5,
+        hold_out=not in_order,
         seed=seed,
         num_embedded=rows,
         max_examples=rows,
+        embedded=args.embedded_dataset,
     )
-    return raw.select(range(min(start, len(raw)), min(len(raw), start + count)))
+    return raw.select(list(range(start, min(len(raw), start + count))))
 
 
 def build_stream_datasets(args, tokenizer, seed: int = 0):
@@ -333,7 +385,8 @@ def build_stream_datasets(args, tokenizer, seed: int = 0):
     raw_train, raw_eval = load_stream_source(args, seed=seed)
     options = args.sft_options()
     num_proc = options.pop("num_proc")
-    train = build_sft_stream(raw_train, tokenizer, buffer_size=args.stream_buffer_size, **options)
+    files = get_local_data_files(args.dataset_name) if args.dataset_name else []
+    train = build_sft_stream(raw_train, tokenizer, buffer_size=args.stream_buffer_size, data_files=files, **options)
     train.split_by_rows = True  # the held-out rows were skip()ped (and max_examples take()n): see SFTStream
     if args.packing:
         train.pack_length = args.max_length

@@ -9,11 +9,13 @@ import contextlib
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch import nn
+from transformers.trainer_utils import has_length
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,15 @@ def num_rows(batch: Mapping[str, Any]) -> int:
     return next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
 
 
+def gather_objects(obj: Any, accelerator) -> list[Any]:
+    """``obj`` of every rank, in rank order (one collective on several processes; ``[obj]`` on one)."""
+    if accelerator.num_processes == 1:
+        return [obj]
+    from accelerate.utils import gather_object
+
+    return gather_object([obj])
+
+
 def mark_for_deepspeed_skip(loss: torch.Tensor, skip_if_nonfinite: bool, skip: bool = False) -> torch.Tensor:
     """``loss``, made to give NaN gradients when its window's step must be skipped, for DeepSpeed to skip it.
 
@@ -151,13 +162,138 @@ def fsdp2_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def trim_repeated_examples(accelerator, batch_samples: list, warn: bool = True) -> tuple[set[int], int]:
+@dataclass(frozen=True)
+class EpochLayout:
+    """Where accelerate's repeated examples sit in every epoch of this rank's map-style training loader.
+
+    Args:
+        micro_batches: this rank's micro-batches per epoch (the length of its loader).
+        last_real_rows: how many rows of this rank's last micro-batch of an epoch are real examples; ``None`` when
+            all of them are (one process, a full last global batch, ``drop_last``).
+    """
+
+    micro_batches: int
+    last_real_rows: int | None = None
+
+    def real_rows(self, index: int, rows: int) -> int:
+        """How many of the ``rows`` of micro-batch ``index`` (from 0, within the epoch) are real examples."""
+        if self.last_real_rows is None or index != self.micro_batches - 1:
+            return rows
+        return min(rows, self.last_real_rows)
+
+
+def get_epoch_layout(
+    accelerator,
+    *,
+    num_examples: int | None = None,
+    batch_size: int | None = None,
+    num_batches: int | None = None,
+    drop_last: bool = False,
+) -> EpochLayout:
+    """The :class:`EpochLayout` of a loader accelerate shards (``BatchSamplerShard``), from its sizes alone.
+
+    Either ``num_examples`` rows in batches of ``batch_size`` (per process; the whole global batch with accelerate's
+    ``split_batches``), or a batch sampler of ``num_batches`` micro-batches of varying size (hfacc's token budget).
+    Computed from sizes, not read from the loader: after a resume the Trainer iterates ``skip_first_batches``'
+    loader, whose ``batch_size`` is None and ``remainder`` -1.
+
+    With ``even_batches`` (accelerate's default), the sampler's batches go round-robin to the P ranks and the last
+    round is completed with examples from the start of the epoch: a round of P batches of ``batch_size`` rows holds
+    ``N mod (P * batch_size)`` real rows, in rank order, so rank r's last micro-batch has
+    ``clamp(remainder - r * batch_size, 0, batch_size)`` of them (the rule ``gather_for_metrics`` drops repeats
+    by). Batches of varying size are repeated whole, to the ranks past ``num_batches mod P``.
+    """
+    world, rank = accelerator.num_processes, accelerator.process_index
+    even = accelerator.even_batches
+    if num_batches is not None:  # a batch sampler of varying batch sizes: whole batches go round-robin
+        if world == 1 or not even:
+            return EpochLayout(len(range(rank, num_batches, world)))
+        extra = num_batches % world
+        return EpochLayout(-(-num_batches // world), 0 if extra and rank >= extra else None)
+    batches = num_examples // batch_size if drop_last else -(-num_examples // batch_size)
+    if world == 1 or drop_last:
+        return EpochLayout(batches if world == 1 or accelerator.split_batches else batches // world)
+    if accelerator.split_batches:  # every rank takes its slice of each global batch of batch_size rows
+        per_rank, remainder, micro_batches = batch_size // world, num_examples % batch_size, batches
+        if not even:  # no repeats (the ranks past the end of the last, short batch get nothing)
+            return EpochLayout(micro_batches)
+    else:  # every rank takes whole batches, round-robin
+        per_rank, remainder = batch_size, num_examples % (batch_size * world)
+        if not even:
+            return EpochLayout(len(range(rank, batches, world)))
+        micro_batches = -(-batches // world)
+    if remainder == 0:
+        return EpochLayout(micro_batches)
+    return EpochLayout(micro_batches, max(0, min(per_rank, remainder - rank * per_rank)))
+
+
+@dataclass
+class EpochCursor:
+    """How many micro-batches of the running epoch this rank has drawn, to find the epoch's last one.
+
+    The Trainer makes a new iterator every epoch; on a resume mid-epoch the first one starts after the ``skip``
+    micro-batches already trained (``skip_first_batches``).
+    """
+
+    layout: EpochLayout
+    skip: int = 0
+    iterator: Any = None
+    drawn: int = 0
+
+    def real_rows(self, iterator: Any, batch_samples: list) -> int:
+        """How many rows of the last of ``batch_samples`` (the window just drawn from ``iterator``) are real."""
+        if iterator is not self.iterator:  # a new epoch
+            self.iterator, self.drawn, self.skip = iterator, self.skip, 0
+        self.drawn += len(batch_samples)
+        return self.layout.real_rows(self.drawn - 1, num_rows(batch_samples[-1]))
+
+
+def get_epoch_cursor(
+    layout: EpochLayout | None, loader: Any, global_step: int, accumulation_steps: int, resumed: bool
+) -> EpochCursor | None:
+    """An :class:`EpochCursor` for the Trainer's training ``loader`` at ``global_step``; None (said once) when the
+    layout is unknown or does not fit the loader (a loader built by code other than hfacc and the stock Trainer).
+
+    ``resumed``: the Trainer skips the resumed epoch's micro-batches trained before the checkpoint, as it does
+    unless ``ignore_data_skip``.
+    """
+    if layout is None:
+        return None
+    length = len(loader) if has_length(loader) else None
+    if length != layout.micro_batches:
+        logger.warning(
+            "hfacc: the training loader has %s micro-batches per epoch where the dataset's size gives %d; hfacc "
+            "asks accelerate's loader which examples it repeats at the end of an epoch instead (after a resume "
+            "mid-epoch it cannot tell).",
+            length,
+            layout.micro_batches,
+        )
+        return None
+    per_epoch = max(-(-length // accumulation_steps), 1)  # the Trainer's num_update_steps_per_epoch
+    return EpochCursor(layout, (global_step % per_epoch) * accumulation_steps if resumed else 0)
+
+
+def forward_set_epoch(loader: Any, batch_sampler: Any) -> None:
+    """Make ``set_epoch`` reach ``batch_sampler`` (hfacc's token budget, which orders each epoch by its number)
+    through accelerate's ``BatchSamplerShard``, which has no ``set_epoch`` of its own.
+
+    The Trainer sets the epoch on ``loader.batch_sampler.batch_sampler``: the shard's sampler normally, but the shard
+    itself after a resume mid-epoch (``skip_first_batches`` wraps it once more), so a resumed run on several ranks
+    would replay epoch 0's order in every later epoch.
+    """
+    shard = getattr(loader, "batch_sampler", None)
+    if shard is not None and shard is not batch_sampler and not hasattr(shard, "set_epoch"):
+        shard.set_epoch = batch_sampler.set_epoch
+
+
+def trim_repeated_examples(batch_samples: list, real_rows: int, rank: int, warn: bool = True) -> tuple[set[int], int]:
     """Cut the examples accelerate repeats at the end of an epoch out of a window's micro-batches, in place.
 
     With several ranks, accelerate (``even_batches``) fills the last batch of every rank with examples from the
     start of the epoch, so that all ranks take the same number of steps. Stock Trainer trains those examples a
-    second time, and counts them. Here the last micro-batch is cut to its real rows; a micro-batch that holds only
-    repeats still runs (every rank must take part in the gradient all-reduce) but must contribute nothing.
+    second time, and counts them. Here the last micro-batch is cut to its ``real_rows`` (from
+    :meth:`EpochLayout.real_rows`); a micro-batch that holds only repeats still runs (every rank must take part in
+    the gradient all-reduce) but must contribute nothing.
 
     Returns ``(indices of the micro-batches that hold only repeats, number of repeated rows cut)``; with ``warn``,
     a cut is said at WARNING level.
@@ -166,19 +302,18 @@ def trim_repeated_examples(accelerator, batch_samples: list, warn: bool = True) 
         return set(), 0
     last = batch_samples[-1]
     rows = num_rows(last)
-    real = count_real_rows(accelerator, rows)
-    if real >= rows:
+    if real_rows >= rows:
         return set(), 0
     if warn:
         logger.warning(
             "hfacc: the last batch of the epoch on rank %d holds %d example(s) that accelerate repeats so that "
             "every rank gets a full batch (even_batches); hfacc neither counts nor trains them, so the last step "
             "is the exact mean over the real examples (stock Trainer trains them twice).",
-            accelerator.process_index,
-            rows - real,
+            rank,
+            rows - real_rows,
         )
-    batch_samples[-1] = take_rows(last, max(real, 1))
-    return ({len(batch_samples) - 1} if real == 0 else set()), rows - real
+    batch_samples[-1] = take_rows(last, max(real_rows, 1))
+    return ({len(batch_samples) - 1} if real_rows == 0 else set()), rows - real_rows
 
 
 def check_data_parallel(accelerator, is_fsdp_enabled: bool) -> None:

@@ -165,10 +165,12 @@ def build_bpe_tokenizer(
     pad_token: str | None = None,
     bos_token: str | None = None,
     chat_template: str | None = None,
+    extra_special_tokens: dict[str, str] | None = None,
 ):
     """A byte-level BPE tokenizer trained with ``tokenizers`` on ``corpus``; byte-level, so no text is unknown.
 
-    ``special_tokens`` are kept whole (never split or merged) and must include the EOS/pad/BOS tokens named.
+    ``special_tokens`` are kept whole (never split or merged) and must include the EOS/pad/BOS tokens named, and
+    those of ``extra_special_tokens``: named model-specific ones (Gemma 3's ``{"image_token": ...}``).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -187,7 +189,12 @@ def build_bpe_tokenizer(
     )
     core.train_from_iterator(corpus, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token=eos_token, pad_token=pad_token, bos_token=bos_token, unk_token=None
+        tokenizer_object=core,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        bos_token=bos_token,
+        unk_token=None,
+        **({"extra_special_tokens": extra_special_tokens} if extra_special_tokens else {}),
     )
     tokenizer.padding_side = "right"
     if chat_template is not None:

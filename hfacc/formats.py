@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .chat import ChatTemplateError, get_assistant_spans
+from .chat import METHODS, ChatTemplateError, get_assistant_spans
 from .loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -76,20 +76,32 @@ def encode_row(
     """
     if format == "text":
         return (*tokenize_text(tokenizer, _string(row, "text", index)), "", 0)
+    if format == "prompt_completion" and not (_is_conversation(row["prompt"]) or _is_conversation(row["completion"])):
+        return (*_tokenize_strings(tokenizer, row["prompt"], row["completion"], index), "", 0)
+    messages, trainable, tools = get_conversation(row, index, format, last_turn_only=last_turn_only)
+    return _encode_conversation(tokenizer, messages, trainable, index, tools)
+
+
+def get_conversation(
+    row: Mapping[str, Any], index: Any, format: str, *, last_turn_only: bool = False, allow_images: bool = False
+) -> tuple[list[dict], list[int], list[dict] | None]:
+    """A chat row's ``(messages, indices of the assistant turns to train, tools)``, checked.
+
+    ``format`` is ``"messages"`` or a conversational ``"prompt_completion"`` (whose completion's assistant turns
+    are trained). ``allow_images`` lets content parts be images (:mod:`hfacc.vision`).
+    """
     tools = normalize_tools(row.get("tools"), index)
     if format == "prompt_completion":
-        prompt, completion = row["prompt"], row["completion"]
-        if _is_conversation(prompt) or _is_conversation(completion):
-            prompt_messages = normalize_messages(prompt, index, "prompt", need_assistant=False)
-            completion_messages = normalize_messages(completion, index, "completion", need_assistant=True)
-            messages = prompt_messages + completion_messages
-            first = len(prompt_messages)
-            trainable = [i for i in range(first, len(messages)) if messages[i]["role"] == "assistant"]
-            return _encode_conversation(tokenizer, messages, trainable, index, tools)
-        return (*_tokenize_strings(tokenizer, prompt, completion, index), "", 0)
-    messages = normalize_messages(row["messages"], index, "messages", need_assistant=True)
+        prompt_messages = normalize_messages(row["prompt"], index, "prompt", False, allow_images=allow_images)
+        completion_messages = normalize_messages(
+            row["completion"], index, "completion", True, allow_images=allow_images
+        )
+        messages = prompt_messages + completion_messages
+        first = len(prompt_messages)
+        return messages, [i for i in range(first, len(messages)) if messages[i]["role"] == "assistant"], tools
+    messages = normalize_messages(row["messages"], index, "messages", need_assistant=True, allow_images=allow_images)
     trainable = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    return _encode_conversation(tokenizer, messages, trainable[-1:] if last_turn_only else trainable, index, tools)
+    return messages, trainable[-1:] if last_turn_only else trainable, tools
 
 
 def log_masking(methods: Sequence[str], unclosed: Sequence[int]) -> None:
@@ -97,19 +109,23 @@ def log_masking(methods: Sequence[str], unclosed: Sequence[int]) -> None:
     counts = Counter(m for m in methods if m)
     if counts:
         logger.info("hfacc: chat rows masked by %s.", ", ".join(f"{m} ({n} rows)" for m, n in counts.most_common()))
-    if counts.get("prefix renders"):
+    from_prefixes = counts[METHODS["prefix"]] + counts[METHODS["segments_and_prefix"]]
+    if from_prefixes:
         logger.warning(
-            "hfacc: %d chat rows were masked from prefix renders: the chat template's loops cannot be traced (it "
-            "iterates over indices or renders inside a macro). The masks were checked, but {%% generation %%} "
-            "markers in the template would make them certain.",
-            counts["prefix renders"],
+            "hfacc: %d chat rows were masked from prefix renders (in whole or in part): the chat template writes "
+            "assistant turns outside loops hfacc can trace (it iterates over indices, renders inside a macro, or "
+            "writes a turn after its loop). The masks were checked, but {%% generation %%} markers in the template "
+            "would make them certain.",
+            from_prefixes,
         )
     if sum(unclosed):
         logger.warning(
-            "hfacc: %d assistant turns end without an end-of-turn token to train: the chat template ends a turn "
-            "with the next message's role marker, and these turns end their conversation. A model trained on them "
-            "does not learn to stop there; end such conversations with a user message, or use a template that "
-            "closes assistant turns.",
+            "hfacc: %d assistant turns end without an end-of-turn token to train: where they end, the chat template "
+            "writes no special token (no end-of-turn marker of the turn, and none opening a next message or closing "
+            "the conversation). A model trained on them does not learn to stop there. Templates that end a turn with "
+            "the next message's role marker (GLM-4) leave a conversation's last turn open: end such conversations "
+            "with a user message. Templates that end turns with plain text (ChatQA, AmberChat) have no token to "
+            "train: use a template that closes assistant turns with a special token.",
             sum(unclosed),
         )
 
@@ -164,29 +180,39 @@ def _encode_conversation(tokenizer, messages, trainable, index, tools):
     except ChatTemplateError as err:
         raise DataError(f"row {index}: {err}") from err
     encoding = tokenizer(found.text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
+    ids = encoding["input_ids"]
+    return list(ids), get_span_labels(ids, encoding["offset_mapping"], found.spans), found.method, found.unclosed
+
+
+def get_span_labels(ids: Sequence[int], offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]):
+    """Labels of tokens (their character ``offsets``): the token id where it is trained, else -100.
+
+    A token is trained when it *ends* inside an answer span: a token that straddles the header/answer boundary
+    produces answer text, a newline after the end-of-turn token does not.
+    """
     labels = [IGNORE_INDEX] * len(ids)
-    spans, s = sorted(found.spans), 0
+    spans, s = sorted(spans), 0
     for t, (a, b) in enumerate(offsets):
-        # A token is trained when it *ends* inside an answer span: a token that straddles the header/answer
-        # boundary produces answer text, a newline after the end-of-turn token does not.
         while s < len(spans) and spans[s][1] < b:
             s += 1
         if s == len(spans):
             break
         if b > a and spans[s][0] < b:
             labels[t] = ids[t]
-    return list(ids), labels, found.method, found.unclosed
+    return labels
 
 
-def normalize_messages(value: Any, index: Any, field: str, need_assistant: bool) -> list[dict]:
+def normalize_messages(
+    value: Any, index: Any, field: str, need_assistant: bool, *, allow_images: bool = False
+) -> list[dict]:
     """Check a conversation and return it as plain dicts with every field a chat template may read.
 
     Kept: ``role``, ``content`` (a string, or a list of ``{"type": "text", "text": ...}`` parts), ``tool_calls``,
     ``tool_call_id``, ``name``, reasoning, and any other field. Values that are None are dropped at every level
     (Arrow fills the fields one row lacks with None, and templates test for presence), as are empty ``tool_calls``.
     Reasoning given under any of :data:`REASONING_FIELDS` is passed as both ``reasoning_content`` and ``thinking``.
-    A non-text content part (image, audio, ...) is an error: hfacc trains on text only.
+    A non-text content part (image, audio, ...) is an error, except image parts with ``allow_images`` (a
+    vision-language processor, :mod:`hfacc.vision`).
     """
     if not isinstance(value, (list, tuple)) or not value:
         raise DataError(
@@ -196,8 +222,13 @@ def normalize_messages(value: Any, index: Any, field: str, need_assistant: bool)
     messages = []
     for j, m in enumerate(value):
         where = f"row {index}, field '{field}', message {j}"
-        if not isinstance(m, Mapping) or "role" not in m:
+        if not isinstance(m, Mapping):
             raise DataError(f"{where}: expected a dict with 'role' and 'content', got {m!r:.80}.")
+        if m.get("role") is None:  # missing, or None: Arrow fills the field a message lacks with None
+            raise DataError(
+                f"{where}: the message has no 'role' (got {dict(m)!r:.80}). Give every message a role, one of "
+                f"{list(ROLES)}."
+            )
         m = _drop_none(m)
         if m["role"] not in ROLES:
             raise DataError(f"{where}: unknown role {m['role']!r}; use one of {list(ROLES)}.")
@@ -211,7 +242,12 @@ def normalize_messages(value: Any, index: Any, field: str, need_assistant: bool)
                 raise DataError(f"{where}: the reasoning must be a string, got {type(reasoning).__name__}.")
             m = {"thinking": reasoning, **m, "reasoning_content": reasoning}
         if "content" in m:
-            _check_content(m["content"], where)
+            _check_content(m["content"], where, allow_images)
+            if need_assistant and m["role"] == "assistant" and "tool_calls" not in m and reasoning is None:
+                content = m["content"]
+                text = content if isinstance(content, str) else "".join(p.get("text") or "" for p in content)
+                if not text.strip():  # it would train the end-of-turn token alone, as an empty completion would
+                    raise DataError(f"{where}: the assistant message is empty; remove the row or fill it in.")
         elif not (m["role"] == "assistant" and ("tool_calls" in m or reasoning is not None)):
             raise DataError(
                 f"{where}: expected a dict with 'role' and 'content', got {m!r:.80} (only an assistant message "
@@ -245,7 +281,7 @@ def normalize_tools(value: Any, index: Any) -> list[dict] | None:
     return [_drop_none(t) for t in value] or None
 
 
-def _check_content(content: Any, where: str) -> None:
+def _check_content(content: Any, where: str, allow_images: bool = False) -> None:
     if isinstance(content, str):
         return
     if not isinstance(content, (list, tuple)):
@@ -257,10 +293,19 @@ def _check_content(content: Any, where: str) -> None:
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind == "text" and isinstance(part.get("text"), str):
             continue
+        if kind in ("image", "image_url") and allow_images:
+            continue
+        if kind in ("image", "image_url"):
+            raise DataError(
+                f"{where}, content part {p}: an image, but the tokenizer (or processor) given has no image "
+                "processor. Train a vision-language model with its processor: build_sft_dataset(dataset, processor), "
+                "the processor from hfacc.get_processor(model name) or AutoProcessor (the recipe picks it from the "
+                "model)."
+            )
         if kind is not None and kind != "text":
             raise DataError(
-                f"{where}, content part {p}: a part of type {kind!r}. hfacc trains on text only (multimodal "
-                "training is not supported yet); remove the non-text parts or the row."
+                f"{where}, content part {p}: a part of type {kind!r}. hfacc trains on text and images only; remove "
+                "the other parts or the row."
             )
         raise DataError(f"{where}, content part {p}: expected {{'type': 'text', 'text': <string>}}, got {part!r:.80}.")
 
@@ -356,7 +401,8 @@ def describe_row(row: Mapping[str, Any]) -> str:
         if reasoning is not None:
             notes.append(f"reasoning {len(reasoning)} chars")
         if isinstance(m.get("content"), list):
-            notes.append(f"{len(m['content'])} content parts")
+            images = sum(isinstance(p, Mapping) and p.get("type") in ("image", "image_url") for p in m["content"])
+            notes.append(f"{len(m['content'])} content parts" + (f", {images} image(s)" if images else ""))
         parts.append(m.get("role", "?") + (f" [{'; '.join(notes)}]" if notes else ""))
     line = "messages: " + ", ".join(parts)
     try:

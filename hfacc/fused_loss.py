@@ -7,7 +7,8 @@ Three layers, each readable on its own:
 - ``_FusedLinearCrossEntropy``, a thin ``torch.autograd.Function`` that runs the chunks in its forward and keeps
   only the gradients of the inputs (never the logits);
 - :class:`FusedOutputHead` and :func:`swap_output_head`, which run it inside a model's own forward in place of its
-  output projection's, so the full ``[B, T, V]`` logits never exist.
+  output projection's, so the full ``[B, T, V]`` logits never exist; :func:`fused_loss_problem` says whether a
+  model's output projection can be taken apart like this (hfacc.logprobs swaps it the same way).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ from torch import nn
 
 from .loss import IGNORE_INDEX, LossSums
 from .model_io import get_base_model
+
+try:  # FSDP2 and DTensor (torch >= 2.6); without them no weight is FSDP2-sharded
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+except ImportError:
+    FSDPModule = DTensor = None
 
 
 def linear_cross_entropy_chunk(
@@ -192,3 +199,41 @@ def swap_output_head(model: nn.Module, forward: Callable[[torch.Tensor], torch.T
             del head.forward
         else:
             head.forward = own
+
+
+def fused_loss_problem(model: nn.Module) -> str | None:
+    """Why ``model``'s loss cannot be fused with its output projection, or None if it can be tried.
+
+    A weight sharded by FSDP2 (a ``DTensor``) or DeepSpeed ZeRO-3 (a partitioned parameter) is fine: the engine
+    gathers it for the head's forward, inside which the fused loss runs (see :class:`hfacc.fused_loss.FusedOutputHead`).
+    """
+    base = get_base_model(model)
+    get_head = getattr(base, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if head is None or not callable(getattr(base, "set_output_embeddings", None)):
+        return f"{type(base).__name__} has no get/set_output_embeddings"
+    if _module_class(head) is not nn.Linear:
+        return f"its output projection is a {type(head).__name__} (e.g. adapted by LoRA), not a plain nn.Linear"
+    shape = _gathered_shape(head.weight, base)
+    if shape is None and type(head.weight) is nn.Parameter:
+        shape = tuple(head.weight.shape)
+    if shape is None or len(shape) != 2 or 0 in shape:
+        return "its output projection's weight is not a 2-D parameter that hfacc can gather (e.g. FSDP v1 flattens it)"
+    return None
+
+
+def _module_class(module: nn.Module) -> type:
+    """The module's own class; FSDP2's ``fully_shard`` swaps it for a subclass ``FSDP<Class>``."""
+    cls = type(module)
+    if FSDPModule is not None and isinstance(module, FSDPModule):
+        return cls.__mro__[getattr(cls, "_orig_cls_mro_index", 2)]
+    return cls
+
+
+def _gathered_shape(weight: torch.Tensor, model: nn.Module) -> tuple[int, ...] | None:
+    """The full shape of a weight that FSDP2 or ZeRO-3 shards and gathers for each forward, else None."""
+    if hasattr(weight, "ds_shape"):  # DeepSpeed ZeRO-3: the local tensor is empty outside the module's forward
+        return tuple(weight.ds_shape)
+    if DTensor is not None and isinstance(weight, DTensor) and any(isinstance(m, FSDPModule) for m in model.modules()):
+        return tuple(weight.shape)  # FSDP2: a DTensor's shape is the global one
+    return None

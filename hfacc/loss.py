@@ -50,14 +50,18 @@ class WindowCounts(NamedTuple):
     """What one accumulation window holds, summed over all data-parallel ranks.
 
     Args:
-        num_targets: targets (tokens, labels, ...) of the window: N in ``L = sum_j S_j / N``.
+        num_targets: targets (tokens, labels, pairs, ...: the objective's primary unit) of the window: N in
+            ``L = sum_j S_j / N``.
         num_sequences: sequences with at least one target (the denominator of ``normalization="sequence"``).
         num_micro_batches: micro-batches of the window on *one* rank (k; the last window of an epoch may be short).
+        units: every count the objective declares (``Objective.units``), in its order, summed likewise; the first
+            two are ``num_targets`` and ``num_sequences``. Objectives of several terms divide each by its own.
     """
 
     num_targets: int
     num_sequences: int
     num_micro_batches: int
+    units: tuple[int, ...] = ()
 
 
 def get_sequence_starts(position_ids: torch.Tensor) -> torch.Tensor:
@@ -105,8 +109,10 @@ def shift_labels(
     padding (``attention_mask == 0``, 2-D) is never a target nor a predictor: the last real token does not learn to
     predict the padding after it, and a left-padded sequence's first token is not predicted from the padding before it.
     So a target is a label != ``ignore_index`` after this shift, however the sequences were laid out (padded right
-    or left, packed, or concatenated into one row): the same sequences always give the same targets. Shifting the
-    labels instead of the logits keeps the logits a view (no copy of a ``[B, T, V]`` tensor).
+    or left, packed, or concatenated into one row): the same sequences always give the same targets. Multimodal
+    rotary positions of packed rows (``[4, B, T]``, Qwen2-VL family) say where sequences start with their first
+    channel, the text one. Shifting the labels instead of the logits keeps the logits a view (no copy of a
+    ``[B, T, V]`` tensor).
 
     >>> shift_labels(torch.tensor([[-100, -100, 7, 8]]))
     tensor([[-100,    7,    8, -100]])
@@ -115,6 +121,11 @@ def shift_labels(
     """
     out = F.pad(labels[..., 1:], (0, 1), value=ignore_index)
     no_target = None
+    if position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        # Multimodal rotary positions of packed rows, [4, B, T] (Qwen2-VL family, hfacc.multimodal): the first
+        # channel is the text position, from which transformers keeps the sequences apart. (With 3 channels it
+        # finds no sequences in a row, and neither does the shift.)
+        position_ids = position_ids[0]
     if position_ids is not None and position_ids.dim() <= 2 and position_ids.shape[-1] == labels.shape[-1]:
         starts = get_sequence_starts(position_ids.expand(labels.shape))
         no_target = F.pad(starts[..., 1:], (0, 1), value=True)  # the next position begins another sequence
@@ -260,10 +271,15 @@ def per_sequence_sums(
     return _per_row(values, correct.long(), ids.expand(mask.shape)[mask], n)
 
 
-def sums_per_row(sums: LossSums, position_ids: torch.Tensor) -> LossSums:
-    """Per-sequence sums of packed rows ``[B, T]`` (see :func:`get_sequence_ids`) added up per row: ``[B]``."""
+def sums_per_row(sums: LossSums | torch.Tensor, position_ids: torch.Tensor) -> LossSums | torch.Tensor:
+    """Per-sequence sums of packed rows ``[B, T]`` (see :func:`get_sequence_ids`) added up per row: ``[B]``.
+
+    ``sums`` is a :class:`LossSums` of ``[n]`` vectors, or one ``[n, ...]`` tensor (an objective's metric sums).
+    """
     per_row = get_sequence_starts(position_ids).sum(-1)
     rows = torch.repeat_interleave(torch.arange(len(per_row), device=per_row.device), per_row)
+    if torch.is_tensor(sums):
+        return sums.new_zeros(len(per_row), *sums.shape[1:]).index_add(0, rows, sums)
     return LossSums(*(x.new_zeros(len(per_row)).index_add(0, rows, x) for x in sums))
 
 

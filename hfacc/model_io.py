@@ -64,6 +64,8 @@ def packed_position_ids(batch: Mapping[str, Any]) -> torch.Tensor | None:
     This is when transformers (5.x) looks for sequences inside a row and keeps them apart in attention.
     """
     positions = batch.get("position_ids")
+    if torch.is_tensor(positions) and positions.dim() == 3 and positions.shape[0] == 4:
+        positions = positions[0]  # multimodal rotary positions: the text channel (see hfacc.loss.shift_labels)
     if torch.is_tensor(positions) and positions.dim() == 2 and batch.get("attention_mask") is None:
         return positions
     return None

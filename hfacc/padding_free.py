@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -35,14 +35,24 @@ from .fused_loss import swap_output_head
 from .loss import IGNORE_INDEX, shift_labels
 from .loss_path import fused_loss_problem
 from .model_io import get_aux_loss, get_base_model, get_logits, model_inputs
-from .objective import CausalLMObjective, Objective
+from .multimodal import (
+    IMAGE_INPUT_KEYS,
+    check_image_layout,
+    get_image_inputs,
+    get_ordered_rows,
+    takes_images,
+    with_packed_positions,
+)
+from .objectives import Objective
 
 logger = logging.getLogger(__name__)
 
 CHECK_TOKENS = 64  # tokens of the check's three sequences (check_padding_free): small work, the same on every rank
 
 
-def remove_padding(batch: Mapping[str, Any], one_row: bool = True, max_row_length: int = 0) -> dict[str, Any] | None:
+def remove_padding(
+    batch: Mapping[str, Any], one_row: bool = True, max_row_length: int = 0, keep: Collection[str] = ()
+) -> dict[str, Any] | None:
     """The real tokens of a padded batch laid end to end; None when the batch cannot be laid out so.
 
     ``attention_mask`` ``[B, T]`` (right or left padding) says which positions are real. With ``one_row`` every
@@ -70,7 +80,10 @@ def remove_padding(batch: Mapping[str, Any], one_row: bool = True, max_row_lengt
     None (keep the padded batch) when there is no 2-D ``attention_mask``, a row's real tokens are not one run
     (holes in the mask) or a row is empty, the batch has its own ``position_ids`` that do not count from each
     sequence's first token (left padding with absolute positions, 3-D rotary positions), or a tensor is not laid out
-    per token (images, per-example values).
+    per token (per-example values) — except the per-row entries named in ``keep`` (an objective's
+    ``row_keys``: advantages, reference log-probs), which are kept as they are, still indexed by original row
+    (``sequence_ids``). Image inputs (:data:`hfacc.multimodal.IMAGE_INPUT_KEYS`) are kept as they are too: the
+    model gives image i's features to the i-th image in token order, so the rows keep the sequences in order.
 
     >>> batch = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
     ...          "labels": torch.tensor([[5, 6, 7], [8, 9, -100]])}
@@ -102,7 +115,11 @@ def remove_padding(batch: Mapping[str, Any], one_row: bool = True, max_row_lengt
         rows, width = [list(range(shape[0]))], sum(lengths)
     else:
         width = max(lengths)
-        rows = best_fit_decreasing(lengths, min(width, max_row_length) if max_row_length else width)
+        capacity = min(width, max_row_length) if max_row_length else width
+        # With images, in order (hfacc.multimodal): image features are matched to image tokens by their order.
+        rows = (
+            get_ordered_rows(lengths, capacity) if get_image_inputs(batch) else best_fit_decreasing(lengths, capacity)
+        )
     filler_source = first[0]  # the flat index of the token the filler repeats: the batch's first (a text token)
     # For every output position: the flat index of its token in the padded batch, its position in its sequence, and
     # its original row (-1: filler).
@@ -126,8 +143,10 @@ def remove_padding(batch: Mapping[str, Any], one_row: bool = True, max_row_lengt
     for key, value in batch.items():
         if key in ("attention_mask", "position_ids") or value is None:
             continue
-        if not torch.is_tensor(value):
-            out[key] = value  # flags such as return_loss
+        if not torch.is_tensor(value) or key in keep or key in IMAGE_INPUT_KEYS:
+            # flags such as return_loss; per-row values the objective reads by sequence_ids; images, in the order
+            # of their tokens
+            out[key] = value
         elif value.dim() >= 2 and tuple(value.shape[:2]) == shape:
             laid = value.flatten(0, 1).index_select(0, index)
             if key in ("labels", "shift_labels"):
@@ -155,8 +174,8 @@ def padding_free_problem(model: nn.Module, objective: Objective) -> str | None:
     """Why padding-free micro-batches do not apply to ``model``, judged without running it; None if they may."""
     base = get_base_model(model)
     config = getattr(base, "config", None)
-    if not isinstance(objective, CausalLMObjective):
-        return f"the objective is {objective.name!r}; padding-free applies to causal LMs"
+    if not objective.supports_padding_free:
+        return f"the objective {objective.name!r} does not support padding-free micro-batches (causal LMs do)"
     if getattr(config, "is_encoder_decoder", False):
         return f"{type(base).__name__} is an encoder-decoder"
     if getattr(objective, "num_virtual_tokens", 0):
@@ -331,7 +350,7 @@ def choose_padding_free(
     """
     problem = padding_free_problem(model, objective)
     if problem is not None:
-        if isinstance(objective, CausalLMObjective):
+        if objective.supports_padding_free:
             logger.warning(
                 "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.", problem
             )
@@ -344,6 +363,8 @@ def choose_padding_free(
     exact, bounded, reasons = None, None, {}
     for one_row in (preferred, not preferred):
         problem = check_padding_free(model, batch, one_row)
+        if problem is None and takes_images(model):
+            problem = _image_problem(model, batch, one_row)  # a vision-language model: with real images
         if not all_ranks_agree(problem is None, accelerator):
             reasons[one_row] = problem or "not exact on another rank"
             continue
@@ -502,7 +523,8 @@ def _run_check(model: nn.Module, batch: Mapping[str, Any], with_grad: bool) -> _
     handle = embeddings.register_forward_hook(capture) if with_grad and embeddings is not None else None
     try:
         with torch.set_grad_enabled(with_grad):
-            outputs = model(**model_inputs(batch), use_cache=False)
+            # hfacc.multimodal: mrope models see the sequences of a row too (unchanged for other models)
+            outputs = model(**with_packed_positions(model, model_inputs(batch)), use_cache=False)
             logits = get_logits(outputs).float()
             targets = _targets(batch)
             losses = F.cross_entropy(
@@ -524,7 +546,7 @@ def _final_states(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     """What the output projection receives at every position, ``[rows, length, hidden]``, where it is a plain
     ``Linear``: its forward is swapped, for one forward, for one that keeps its input and returns a 0-d zero, so the
     logits are never built (as with the fused loss). Else, or where the model cannot take that, the logits."""
-    inputs = {**model_inputs(batch), "use_cache": False}
+    inputs = {**with_packed_positions(model, model_inputs(batch)), "use_cache": False}
     if fused_loss_problem(model) is None:
         found = []
 
@@ -572,3 +594,11 @@ def _min_over_ranks(value: int, accelerator) -> int:
     if accelerator.num_processes == 1:
         return value
     return -int(accelerator.reduce(torch.tensor([-value], device=accelerator.device), reduction="max").item())
+
+
+def _image_problem(model: nn.Module, batch: Mapping[str, Any], one_row: bool) -> str | None:
+    """Why a vision-language model's micro-batches with images stay padded (the first one's images run both ways),
+    or None. Without images in the first micro-batch there is nothing to check them with: padded."""
+    if not get_image_inputs(batch):
+        return "the first micro-batch has no images to check the padding-free layout of images with"
+    return check_image_layout(model, batch, remove_padding(batch, one_row))

@@ -23,7 +23,7 @@ from pathlib import Path
 from transformers import set_seed
 
 from .arguments import TokenWeightedArguments
-from .checkpoint import resolve_checkpoint
+from .checkpoint import get_run_settings, prepare_run
 from .collator import DataCollatorForCausalLM
 from .console import run_recipe, setup_console, use_console, write
 from .data import DataArguments, build_datasets
@@ -31,6 +31,7 @@ from .evaluation import exact_match_by_group, exact_match_on_conversations
 from .modeling import ModelArguments, load_model_and_tokenizer
 from .report import save_loss_curve, write_json
 from .trainer import TokenWeightedTrainer
+from .vision import DataCollatorForVisionLM, exact_match_on_vision_rows, is_vision_processor
 
 # The shipped configs live with the recipe; this module runs from a clone of the repository or an editable install.
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "recipes" / "configs" / "tiny_default.yaml"
@@ -51,16 +52,21 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
     start = time.perf_counter()
     setup_console(args)  # quiet by default; --log_level info for all detail
     set_seed(args.seed)
-    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)  # a bad one fails now, not later
+    # A bad checkpoint or output directory fails now, before the model loads (the trainer checks again).
+    resume = prepare_run(args, get_run_settings(args, data_args.streaming), args.resume_from_checkpoint)
     model, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
     with args.main_process_first(desc="dataset tokenization"):
         train_ds, eval_ds, raw_eval = build_datasets(data_args, tokenizer, seed=args.seed)
+    if is_vision_processor(tokenizer):  # a vision-language model: its processor decodes the images per batch
+        collator = DataCollatorForVisionLM(tokenizer, pad_to_multiple_of=sft_args.pad_to_multiple_of)
+    else:
+        collator = DataCollatorForCausalLM(tokenizer.pad_token_id, pad_to_multiple_of=sft_args.pad_to_multiple_of)
     trainer = TokenWeightedTrainer(
         model=model,
         args=args,
         train_dataset=train_ds,
         eval_dataset=eval_ds,
-        data_collator=DataCollatorForCausalLM(tokenizer.pad_token_id, pad_to_multiple_of=sft_args.pad_to_multiple_of),
+        data_collator=collator,
         processing_class=tokenizer,
     )
     use_console(trainer)  # one progress bar and compact lines instead of the Trainer's printed dicts
@@ -90,14 +96,23 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
     }
     if trainer.is_world_process_zero():
         if sft_args.num_exact_match_examples and "messages" in raw_eval.column_names:
-            conversations = raw_eval["messages"][: sft_args.num_exact_match_examples]
-            write(f"exact match: answering {len(conversations)} held-out prompts greedily")
-            score, samples = exact_match_on_conversations(
-                trainer.model, tokenizer, conversations, max_new_tokens=sft_args.max_new_tokens
-            )
+            count = min(sft_args.num_exact_match_examples, len(raw_eval))
+            write(f"exact match: answering {count} held-out prompts greedily")
+            if is_vision_processor(tokenizer):  # with each prompt's images
+                score, samples = exact_match_on_vision_rows(
+                    trainer.model, tokenizer, raw_eval.select(range(count)), max_new_tokens=sft_args.max_new_tokens
+                )
+            else:
+                score, samples = exact_match_on_conversations(
+                    trainer.model, tokenizer, raw_eval["messages"][:count], max_new_tokens=sft_args.max_new_tokens
+                )
             metrics["exact_match"] = score
             metrics["samples"] = [
-                {"prompt": " / ".join(m["content"] for m in p if m["role"] == "user"), "reference": r, "answer": a}
+                {
+                    "prompt": " / ".join(_text(m["content"]) for m in p if m["role"] == "user"),
+                    "reference": r,
+                    "answer": a,
+                }
                 for p, r, a in samples
             ]
             if "task" in raw_eval.column_names:  # the embedded data names its tasks: which ones were learned
@@ -110,6 +125,13 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         save_loss_curve(trainer.state.log_history, Path(args.output_dir) / "loss_curve.png")
         write(format_summary(metrics, args.output_dir))
     return metrics
+
+
+def _text(content) -> str:
+    """A message's content as one line: its text, and ``<image>`` for each image part."""
+    if isinstance(content, str):
+        return content
+    return "".join(p["text"] if p.get("type") == "text" else "<image>" for p in content)
 
 
 def format_summary(metrics: dict, output_dir: str) -> str:

@@ -100,7 +100,8 @@ class StepGate(TrainerCallback):
         if trainer.is_deepspeed_enabled and trainer.optimizer.step_was_skipped:
             return False  # DeepSpeed found inf/NaN in the gradients (its flag is already agreed over the ranks)
         grads = [p.grad for group in trainer.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        total = trainer.window.staged[0].float()
+        staged = trainer.window.staged  # entry 0: the window's loss sum on this rank
+        total = staged[0].float() if staged is not None else torch.zeros((), device=trainer.args.device)
         if grads:
             total = total + torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False).float()
         # Sharded (FSDP) gradients differ per rank: every rank must take the same decision.

@@ -43,7 +43,8 @@ from .formats import (
     encode_row,
 )
 from .loss import IGNORE_INDEX
-from .sources import SOURCE_ROW
+from .sources import SOURCE_ROW, describe_read_failure
+from .vision import IMAGE_COLUMN, encode_vision_row, get_chat_template, get_text_tokenizer, is_vision_processor
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +61,13 @@ def build_sft_stream(
     last_turn_only: bool = False,
     truncation: str = "right",
     buffer_size: int = 1000,
+    data_files: list | None = None,
 ) -> SFTStream:
     """``source`` (a ``datasets.IterableDataset`` of raw rows), tokenized and masked lazily as training reads it.
 
     Same formats, masking, truncation and errors as :func:`hfacc.data.build_sft_dataset`; the format is read off
     the first row when the stream does not know its columns (a generator). Nothing is tokenized here but that row.
+    ``data_files``: the local files the stream reads, so that a broken line is named when reading fails.
     """
     if format not in ("auto", *FORMATS):
         raise DataError(f"format={format!r} is not supported; use 'auto' or one of {list(FORMATS)}.")
@@ -74,7 +77,7 @@ def build_sft_stream(
         raise DataError(f"max_length={max_length}: an example needs at least 2 tokens to have a target.")
     if buffer_size < 1:
         raise DataError(f"stream_buffer_size={buffer_size}: it must be >= 1.")
-    first = next(iter(source.take(1)), None)
+    first = read_row(iter(source.take(1)), data_files)
     if first is None:
         raise DataError("The streamed dataset is empty.")
     columns = source.column_names or list(first)
@@ -84,14 +87,30 @@ def build_sft_stream(
     if missing:
         raise DataError(f"format={format!r} needs the column(s) {missing}; the stream has {list(columns)}.")
     chat = format == "messages" or (format == "prompt_completion" and _is_conversation(first["prompt"]))
-    if chat and not getattr(tokenizer, "chat_template", None):
+    # A vision-language processor (hfacc.vision): its template renders, its tokenizer tokenizes.
+    vision, processor, tokenizer = is_vision_processor(tokenizer), tokenizer, get_text_tokenizer(tokenizer)
+    if chat and not (get_chat_template(processor) if vision else getattr(tokenizer, "chat_template", None)):
         raise DataError(
             "Chat data needs a tokenizer with a chat template, and this one has none. Use the tokenizer of an "
             "instruct/chat model, or set one: tokenizer.chat_template = '<jinja template>'."
         )
     if tokenizer.eos_token_id is None:
         raise DataError("The tokenizer has no eos_token; set tokenizer.eos_token so completions can end.")
-    return SFTStream(source, tokenizer, format, max_length, last_turn_only, truncation, buffer_size)
+    stream = SFTStream(source, processor, format, max_length, last_turn_only, truncation, buffer_size)
+    stream.data_files = list(data_files or [])
+    return stream
+
+
+def read_row(rows: Iterator, data_files: list | None) -> Mapping[str, Any] | None:
+    """The next row of a stream (None at its end); a failure to read a local file is a DataError naming the line."""
+    try:
+        return next(rows, None)
+    except DataError:
+        raise
+    except Exception as err:  # datasets' JSON and CSV readers name no line (or a line of their own chunk)
+        if not data_files:
+            raise
+        raise DataError(describe_read_failure(data_files, err)) from err
 
 
 class SFTStream(torch.utils.data.IterableDataset):
@@ -115,6 +134,7 @@ class SFTStream(torch.utils.data.IterableDataset):
         # skips 1 or 2 rows of each), so held-out rows would be trained and others skipped: such a stream is split
         # row by row, where they apply to the stream as a whole.
         self.split_by_rows = False
+        self.data_files: list = []  # the local files read, to name a broken line (build_sft_stream sets them)
         self.dropped = self.truncated = 0
 
     def __repr__(self) -> str:
@@ -122,7 +142,13 @@ class SFTStream(torch.utils.data.IterableDataset):
 
     def encode(self, row: Mapping[str, Any], where: str) -> dict[str, list[int]] | None:
         """One raw row as a training example; None (counted) when it has no target or is dropped as too long."""
-        ids, labels, _, _ = encode_row(self.tokenizer, row, where, self.format, last_turn_only=self.last_turn_only)
+        images, image_end = None, 0
+        if is_vision_processor(self.tokenizer):  # image chat: the example keeps its image references
+            ids, labels, _, _, images, image_end = encode_vision_row(
+                self.tokenizer, row, where, self.format, last_turn_only=self.last_turn_only
+            )
+        else:
+            ids, labels, _, _ = encode_row(self.tokenizer, row, where, self.format, last_turn_only=self.last_turn_only)
         if self.max_length is not None and len(ids) > self.max_length:
             if self.truncation == "error":
                 raise DataError(
@@ -132,6 +158,8 @@ class SFTStream(torch.utils.data.IterableDataset):
             self.truncated += 1
             if self.truncation == "drop":
                 return self._drop(where, f"it has {len(ids)} tokens, more than max_length={self.max_length}")
+            if image_end > self.max_length:  # the model needs all of an image's tokens or none
+                return self._drop(where, f"max_length={self.max_length} would cut through an image's tokens")
             if _worth_saying(self.truncated):  # as the map-style path counts them, without a total to give
                 logger.warning(
                     "hfacc: row %s has %d tokens, more than max_length=%d: its end is cut (%d rows so far).",
@@ -143,7 +171,10 @@ class SFTStream(torch.utils.data.IterableDataset):
             ids, labels = ids[: self.max_length], labels[: self.max_length]
         if not any(y != IGNORE_INDEX for y in labels[1:]):
             return self._drop(where, "it has no target token (after truncation)")
-        return {"input_ids": list(ids), "attention_mask": [1] * len(ids), "labels": labels}
+        example = {"input_ids": list(ids), "attention_mask": [1] * len(ids), "labels": labels}
+        if images is not None:
+            example[IMAGE_COLUMN] = images  # decoded by hfacc.DataCollatorForVisionLM when the batch is made
+        return example
 
     def _drop(self, where: str, why: str) -> None:
         self.dropped += 1
@@ -235,12 +266,15 @@ class StreamBatches(torch.utils.data.IterableDataset):
             source.set_epoch(epoch)
             if source_state is not None:
                 source.load_state_dict(source_state)
+            # A pass read from its start that yields nothing never will: every row dropped (or none there). A pass
+            # resumed part-way may just have nothing left; the next one, from the start, tells.
+            whole = source_state is None and rows == 0
             it, exhausted, produced = iter(source), False, False
             while not exhausted:
                 examples, read = [], 0
                 size = self.stream.buffer_size if self.reorders else self.batch_size
                 while len(examples) < size:
-                    row = next(it, None)
+                    row = read_row(it, self.stream.data_files)
                     if row is None:
                         exhausted = True
                         break
@@ -266,10 +300,13 @@ class StreamBatches(torch.utils.data.IterableDataset):
                     position.update(rank=self.rank, world_size=self.world_size)
                     yield {**self.collator(batch), STATE_KEY: position}
                 done, rows, source_state = 0, rows + read, after
-            if not produced and not rows:
+            if not produced and whole:
+                what = f"all {rows} of its rows were dropped" if rows else "it has no row"
                 raise DataError(
-                    f"rank {self.rank}'s share of the stream holds no usable example (every row was dropped or "
-                    f"there is none: {self.world_size} processes, {self.stream.source.n_shards} shard(s))."
+                    f"rank {self.rank}'s share of the stream holds no usable example: {what} (no target token, or "
+                    f"longer than max_length={self.stream.max_length} with truncation='drop'; {self.world_size} "
+                    f"process(es), {self.stream.source.n_shards} shard(s)). Check the masking (hfacc show-mask) "
+                    "or raise max_length."
                 )
             epoch, rows = epoch + 1, 0
             if not self.restarts_said:
@@ -320,6 +357,11 @@ def load_stream_state(batches: StreamBatches, checkpoint: str | Path) -> bool:
         return False
     batches.load_state_dict(json.loads(path.read_text()))
     return True
+
+
+def holds_stream_state(checkpoint: str | Path) -> bool:
+    """Whether ``checkpoint`` was saved by a streaming run (it holds a position in the stream)."""
+    return any(Path(checkpoint).glob(STATE_FILE.format(rank="*")))
 
 
 def check_stream_training(args) -> None:

@@ -25,35 +25,49 @@ import datasets
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
+from transformers.trainer_utils import has_length
 
 from .arguments import TokenWeightedArguments, as_token_weighted_arguments, validate_settings
 from .audit import AccumulationAuditCallback
 from .batching import build_token_budget_loader, is_packed, require_packing_support
-from .checkpoint import complete_checkpoint, get_checkpoint_dir, resolve_checkpoint
+from .checkpoint import (
+    complete_checkpoint,
+    describe_save_failure,
+    get_checkpoint_dir,
+    get_checkpoint_step,
+    get_run_settings,
+    prepare_run,
+    read_marker,
+    unmark_checkpoint,
+)
 from .collator import warn_about_padding_labels
+from .config import ConfigError
 from .distributed import (
+    all_ranks_agree,
     check_data_parallel,
+    count_real_rows,
+    forward_set_epoch,
+    gather_objects,
+    get_epoch_cursor,
+    get_epoch_layout,
     get_gradient_scale,
     mark_for_deepspeed_skip,
+    num_rows,
     trim_repeated_examples,
     undo_evaluation_preparation,
 )
-from .function_objective import LossFunctionObjective
-from .loss import LossSums
-from .loss_path import choose_loss_path
+from .hashing import hashing_writes, relative_digests
 from .meter import LossMeter
-from .objective import (
-    CausalLMObjective,
-    ModelLossObjective,
-    Objective,
-)
-from .objective_choice import get_objective
-from .padding_free import choose_padding_free, padded_neftune_noise, remove_padding
+from .model_setup import ModelSetup, build_model_setup
+from .multimodal import IMAGE_COLUMN
+from .objectives import ModelLossObjective, Objective
+from .padding_free import padded_neftune_noise, remove_padding
 from .step_gate import NonFiniteLossError, StepGate
 from .streaming import (
     SFTStream,
     build_stream_loader,
     check_stream_training,
+    holds_stream_state,
     read_stream_window,
     save_stream_state,
     take_stream_position,
@@ -88,6 +102,11 @@ class TokenWeightedTrainer(Trainer):
     loss_is_scaled_for_ga = True
 
     args: TokenWeightedArguments
+    _epoch_layout = _epoch_cursor = None  # where accelerate repeats examples in each epoch (hfacc/distributed.py)
+    _data_skipped = False  # whether this train() call resumes mid-epoch by skipping micro-batches
+    _nothing_to_train = False  # a finished run was resumed: no step, no save
+    _resumed_counters: dict | None = None  # the step gate's counts saved in the checkpoint resumed from
+    _run_settings: dict | None = None  # what identifies this run in its checkpoints (hfacc/checkpoint.py)
 
     def __init__(self, model=None, args=None, *rest, objective: Objective | str | None = None, **kwargs):
         args = as_token_weighted_arguments(args)
@@ -107,12 +126,12 @@ class TokenWeightedTrainer(Trainer):
         if not self.label_names:
             self.label_names = ["labels"]
         self.window: Window | None = None  # the window of the optimizer step under way (hfacc/window.py)
+        # Every per-model decision (objective, layout, loss path, the objective's own), taken once before the first
+        # window (hfacc/model_setup.py).
+        self.model_setup: ModelSetup | None = None
         self._repeats_said = False
         self._eval_needs_logits = True  # evaluation_loop says when predictions are thrown away
         self._packing_checked = False
-        self.padding_free = False  # decided with the objective, on the first micro-batch
-        self.padding_free_one_row = True  # one row for variable-length attention kernels, else rows
-        self.padding_free_max_row = 0  # the longest row the check verified (0: no bound)
         self.meter = LossMeter(self.args.device)
         self._stream_batches = self._stream_position = self._stream_resume = None  # a stream's reader, place, resume
         if self.args.audit_every_n_steps:  # the step gate runs it first, before a skip could drop the gradient
@@ -133,7 +152,15 @@ class TokenWeightedTrainer(Trainer):
             )
             return loader
         if not budget:
-            return super().get_train_dataloader()
+            loader = super().get_train_dataloader()
+            if has_length(self.train_dataset):  # where accelerate's repeats are, from the sizes alone
+                self._epoch_layout = get_epoch_layout(
+                    self.accelerator,
+                    num_examples=len(self.train_dataset),
+                    batch_size=self._train_batch_size,
+                    drop_last=self.args.dataloader_drop_last,
+                )
+            return loader
         dataset, collator = self.train_dataset, self.data_collator
         if isinstance(dataset, datasets.Dataset):
             dataset = self._remove_unused_columns(dataset, description="training")
@@ -142,21 +169,49 @@ class TokenWeightedTrainer(Trainer):
         if not hasattr(dataset, "__getitem__") or "input_ids" not in dataset[0]:
             raise ValueError("max_tokens_per_batch needs a map-style dataset whose examples have 'input_ids'.")
         loader = build_token_budget_loader(dataset, collator, self.args)
-        return self.accelerator.prepare(loader)
+        self._epoch_layout = get_epoch_layout(self.accelerator, num_batches=len(loader.batch_sampler))
+        prepared = self.accelerator.prepare(loader)
+        forward_set_epoch(prepared, loader.batch_sampler)
+        return prepared
 
     # ---- counting: once per window --------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int, device: torch.device):
         """Draw the window's micro-batches and open its :class:`~hfacc.window.Window` (one collective)."""
+        if self._resumed_counters:  # after the step gate reset them at the start of training
+            self.meter.skipped_steps = self._resumed_counters.get("skipped_steps", 0)
+            self.meter.empty_windows = self._resumed_counters.get("empty_windows", 0)
+            self._resumed_counters = None
+        if self.state.global_step >= self.state.max_steps:
+            # Only a resumed, finished run gets here (the Trainer stops at max_steps otherwise); stock Trainer would
+            # train one more step on every such resume.
+            self._nothing_to_train = self.control.should_training_stop = True
+            return [], None
         if self._stream_batches is not None:  # a bad row stops every rank; the window ends at a stream position
             batch_samples = read_stream_window(epoch_iterator, num_batches, self.accelerator)
             self._stream_position = take_stream_position(batch_samples) or self._stream_position
         else:
             batch_samples = list(islice(epoch_iterator, num_batches))
-        repeated, cut = trim_repeated_examples(self.accelerator, batch_samples, warn=not self._repeats_said)
-        self._repeats_said |= cut > 0
+        repeated = set()
+        if batch_samples and self.accelerator.num_processes > 1 and self._stream_batches is None:
+            if self._epoch_cursor is None:  # the first window of this train() call
+                loader, step = self.callback_handler.train_dataloader, self.state.global_step
+                accumulation = self.args.gradient_accumulation_steps
+                cursor = get_epoch_cursor(self._epoch_layout, loader, step, accumulation, self._data_skipped)
+                self._epoch_cursor = cursor or False
+            if self._epoch_cursor:
+                real = self._epoch_cursor.real_rows(epoch_iterator, batch_samples)
+            else:  # a loader hfacc did not build: what accelerate's loader says of itself
+                real = count_real_rows(self.accelerator, num_rows(batch_samples[-1]))
+            rank = self.accelerator.process_index
+            repeated, cut = trim_repeated_examples(batch_samples, real, rank, warn=not self._repeats_said)
+            self._repeats_said |= cut > 0
         if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
             self._packing_checked = True
             require_packing_support(self.model, self._prepare_inputs(batch_samples[0]))
+        if self.model_setup is None and batch_samples:
+            # Before the first window is counted, on every rank at the same window (its checks are collectives),
+            # even on a rank whose only micro-batch repeats examples and is counted without it.
+            self.setup_model(batch_samples[0])
         first = self.window is None
         self.window = self.open_window(batch_samples, device, repeated, warn=first)
         return batch_samples, self.window.num_targets
@@ -169,57 +224,63 @@ class TokenWeightedTrainer(Trainer):
         batches = [b for j, b in enumerate(batch_samples) if j not in repeated]
         if warn:  # the first window
             warn_about_padding_labels(batches)
-        counts = count_window(lambda b: self.get_objective(b).count(b), batches, self.accelerator, device)
-        return Window(batches, counts, len(batch_samples), self.meter.zeros(), frozenset(repeated))
+        if self.model_setup is None and batches:
+            self.setup_model(batches[0])
+        objective = self.objective
+        units = len(objective.units) if objective is not None else 2
+        counts = count_window(objective.count if objective else None, batches, self.accelerator, device, units)
+        return Window(batches, counts, len(batch_samples), repeated=frozenset(repeated), dtype=self.meter.dtype)
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # Replaces the stock count (and its cross-rank gather) wherever the Trainer asks for it, e.g. in
         # `prediction_step`: hfacc computes its own counts and never hands `num_items_in_batch` to the model.
         return None
 
+    def setup_model(self, batch: Mapping[str, Any]) -> ModelSetup:
+        """Take every per-model decision once, from the first micro-batch (:func:`hfacc.model_setup.build_model_setup`):
+        the objective, the layout, the loss path and what the objective sets up itself."""
+        self.model_setup = build_model_setup(
+            self.model,
+            self._prepare_inputs(batch),
+            self.accelerator,
+            objective=self.objective if self.objective is not None else self._objective_setting,
+            padding_free=self.args.padding_free,
+            fused_loss=self.args.fused_loss,
+            normalization=self.args.normalization,
+            chunk_size=self.args.loss_chunk_size,
+            label_smoothing=self.args.label_smoothing_factor,
+            compute_loss_func=self.compute_loss_func,
+            args=self.args,
+            trainer=self,
+        )
+        self.objective = self.model_setup.objective
+        return self.model_setup
+
     def get_objective(self, batch: Mapping[str, Any]) -> Objective:
-        """The objective, resolved from the model and the first batch it sees."""
-        if self.objective is None:
-            self.objective = get_objective(
-                self.model, batch, name=self._objective_setting, label_smoothing=self.args.label_smoothing_factor
-            )
-            if self.compute_loss_func is not None:
-                # The user's loss, with hfacc's count of the targets: exact if it divides by num_items_in_batch.
-                # Padded micro-batches: the user's function shifts the labels itself, across any packed boundary.
-                self.objective = LossFunctionObjective(self.compute_loss_func, counter=self.objective)
-            elif self.args.padding_free:
-                self.padding_free, self.padding_free_one_row, self.padding_free_max_row = choose_padding_free(
-                    self.objective,
-                    self.model,
-                    self._prepare_inputs(batch),
-                    self.accelerator,
-                    max_tokens_per_batch=self.args.max_tokens_per_batch or 0,
-                )
-            if isinstance(self.objective, CausalLMObjective):
-                problem = choose_loss_path(
-                    self.objective,
-                    self.model,
-                    self._prepare_inputs(batch),
-                    self.accelerator,
-                    fused_loss=self.args.fused_loss,
-                    normalization=self.args.normalization,
-                    chunk_size=self.args.loss_chunk_size,
-                )
-                if self.objective.fused:
-                    logger.info("hfacc: fused chunked cross-entropy: the full logits are never materialized.")
-                elif self.args.fused_loss:
-                    logger.warning("hfacc: plain loss path (full logits): %s.", problem)
-            logger.info("hfacc: objective %s, normalization %r", self.objective, self.args.normalization)
-            if isinstance(self.objective, ModelLossObjective) and self.args.normalization != "micro_batch":
-                logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
+        """The objective; the per-model setup runs first if no window has run it yet (e.g. ``evaluate()`` first)."""
+        if self.model_setup is None:
+            self.setup_model(batch)
         return self.objective
+
+    @property
+    def padding_free(self) -> bool:
+        """Whether micro-batches are laid out without their padding (decided by the per-model setup)."""
+        return self.model_setup is not None and self.model_setup.padding_free
 
     def _set_signature_columns_if_needed(self) -> None:
         # hfacc reads sequence boundaries from these even when the model's forward does not take them (Bloom): a
         # packed dataset whose position_ids were dropped as unused would silently let its sequences attend to each
-        # other. The packing check then refuses such a model.
+        # other. The packing check then refuses such a model. An objective given as an instance names the columns
+        # it reads itself (Objective.columns).
         super()._set_signature_columns_if_needed()
-        self._signature_columns += [c for c in ("position_ids", "seq_lengths") if c not in self._signature_columns]
+        # And the image references DataCollatorForVisionLM decodes (hfacc.vision): the model takes pixels, not them.
+        wanted = (
+            "position_ids",
+            "seq_lengths",
+            IMAGE_COLUMN,
+            *(self.objective.columns if self.objective is not None else ()),
+        )
+        self._signature_columns += [c for c in wanted if c not in self._signature_columns]
 
     # ---- the loss: once per micro-batch ---------------------------------------------------------------------
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -230,12 +291,12 @@ class TokenWeightedTrainer(Trainer):
         """
         objective = self.get_objective(inputs)
         packed = is_packed(inputs)
-        if not model.training and isinstance(objective, CausalLMObjective):
+        if not model.training and objective.supports_fused:
             # The fused path returns loss sums where the logits would be: only when nobody reads the logits.
             objective.fused_in_eval = not self._eval_needs_logits
-        padded = inputs
+        padded, setup = inputs, self.model_setup
         if self.padding_free and (model.training or objective.fused_in_eval):  # eval: unless logits are wanted
-            inputs = remove_padding(inputs, self.padding_free_one_row, self.padding_free_max_row) or inputs
+            inputs = remove_padding(inputs, setup.one_row, setup.max_row_length, keep=objective.row_keys) or inputs
         if model.training:
             if self.window is None or self.window.left <= 0:
                 # compute_loss called outside the Trainer's loop (e.g. a user's own `training_step` call): the
@@ -249,13 +310,13 @@ class TokenWeightedTrainer(Trainer):
                     objective, model, inputs, window.counts, normalization=self.args.normalization, world_size=world
                 )
             if repeated:  # only examples accelerate repeated: run for the all-reduce, contribute nothing
-                loss, sums = loss * 0, LossSums(*(torch.zeros_like(t) for t in sums))
-            window.stage(sums)
+                loss, sums = loss * 0, objective.zero_sums(sums)
+            window.stage(objective.metric_sums(sums))
             if self.is_deepspeed_enabled and self.step_gate.deepspeed_skips_steps:
                 loss = mark_for_deepspeed_skip(loss, self.args.skip_nonfinite_steps, skip=window.num_targets == 0)
         else:
             outputs, sums = self.meter.add_evaluation_batch(objective, model, inputs, packed, self.accelerator)
-            loss = sums.loss.sum() / sums.count.sum().clamp(min=1)
+            loss = objective.mean_loss(sums)
         if not return_outputs:
             return loss
         if not isinstance(objective, ModelLossObjective):  # that one gave the labels to the model: its own loss leads
@@ -268,10 +329,13 @@ class TokenWeightedTrainer(Trainer):
     # ---- what gets logged -----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Replace the Trainer's mean of micro-batch means by the exact token-weighted values."""
+        # The meter leaves the loss out when no window reached the weights (all skipped, or nothing trained).
         if "loss" in logs:
-            logs.update(self.meter.interval_logs(self.accelerator, self._has_accuracy()))
+            del logs["loss"]
+            logs.update(self.meter.interval_logs(self.accelerator, self.objective))
         if "train_loss" in logs:
-            logs.update(self.meter.run_logs(self.accelerator, self._has_accuracy()))
+            del logs["train_loss"]
+            logs.update(self.meter.run_logs(self.accelerator, self.objective))
         super().log(logs, start_time)
 
     def evaluation_loop(
@@ -293,53 +357,95 @@ class TokenWeightedTrainer(Trainer):
             self._eval_needs_logits = True
         totals = self.meter.eval_totals(self.accelerator)
         if totals is not None:
-            loss_sum, count, correct = totals
-            output.metrics[f"{metric_key_prefix}_loss"] = loss_sum / max(count, 1)
-            output.metrics[f"{metric_key_prefix}_num_targets"] = int(count)
-            if self._has_accuracy():
-                output.metrics[f"{metric_key_prefix}_token_accuracy"] = correct / max(count, 1)
+            output.metrics.update(self.objective.metric_logs(totals, prefix=f"{metric_key_prefix}_"))
         return output
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """``Trainer.train``; ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint."""
-        resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
-        undo_evaluation_preparation(self.accelerator, self.model, self.model_wrapped)
+        """``Trainer.train``, after hfacc's checks of the checkpoint and the output directory (before training).
+
+        ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint of this run (same
+        settings, :func:`hfacc.checkpoint.get_run_settings`); a new run into a directory holding another run's
+        checkpoints is refused (``overwrite_output_dir`` deletes them). Resuming a finished run trains nothing.
+        """
         streaming = isinstance(self.train_dataset, SFTStream)
+        self._run_settings = get_run_settings(self.args, streaming)
+        resume_from_checkpoint = prepare_run(self.args, self._run_settings, resume_from_checkpoint, self.model)
+        if resume_from_checkpoint is not None and not streaming and holds_stream_state(resume_from_checkpoint):
+            raise ConfigError(
+                f"Cannot resume from {resume_from_checkpoint}: it was saved by a streaming run (it holds the "
+                "stream's position); resume it with --streaming true and the same data, or start afresh."
+            )
+        undo_evaluation_preparation(self.accelerator, self.model, self.model_wrapped)
         self._stream_resume = resume_from_checkpoint if streaming else None
+        marker = read_marker(resume_from_checkpoint) if resume_from_checkpoint else None
+        self._resumed_counters = (marker or {}).get("hfacc")  # the step gate's counts go on from the checkpoint's
+        self._nothing_to_train = False
         skip = self.args.ignore_data_skip
+        self._epoch_cursor, self._data_skipped = None, resume_from_checkpoint is not None and not skip
         # A stream resumes from the position saved in the checkpoint, not by reading and dropping every micro-batch
         # trained before (the Trainer's skip_first_batches).
         self.args.ignore_data_skip = skip or (streaming and resume_from_checkpoint is not None)
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            self.args.ignore_data_skip, self._stream_resume = skip, None
+            self.args.ignore_data_skip, self._stream_resume, self._epoch_cursor = skip, None, None
+        finished = self.state.global_step >= self.state.max_steps
+        if (
+            finished
+            and resume_from_checkpoint
+            and self.state.global_step == get_checkpoint_step(resume_from_checkpoint)
+        ):
+            logger.warning(
+                "hfacc: %s is at step %d of %d: the run is finished, nothing was trained. Raise max_steps (or "
+                "num_train_epochs) to train on from it.",
+                resume_from_checkpoint,
+                self.state.global_step,
+                self.state.max_steps,
+            )
         # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
-        return output._replace(training_loss=output.metrics.get("train_loss", output.training_loss))
+        return output._replace(training_loss=output.metrics.get("train_loss", float("nan")))
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The stock checkpoint, then a completion marker, then rotation: a crash mid-save never costs the last good one.
+        """The stock checkpoint hashed as it is written, then a completion marker, then rotation: a crash mid-save
+        never costs the last good checkpoint, and never makes the incomplete one look complete.
 
         Stock Trainer rotates old checkpoints inside the save; with ``save_total_limit=1`` a crash right after could
         leave only a half-written checkpoint. Here rotation waits until the new checkpoint is marked complete.
         """
-        limit = self.args.save_total_limit
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint = get_checkpoint_dir(run_dir, self.state.global_step)
+        if self._nothing_to_train:  # a finished run resumed: the checkpoint it resumed from is this one
+            return
+        if self.args.should_save:  # written again (a run restarted in its directory): incomplete until marked anew
+            unmark_checkpoint(checkpoint)
+        limit, failure = self.args.save_total_limit, None
         self.args.save_total_limit = None
         try:
-            super()._save_checkpoint(model, trial)
+            with hashing_writes() as digests:
+                super()._save_checkpoint(model, trial)
+                if self._stream_batches is not None:  # each rank's own position in the stream
+                    save_stream_state(self._stream_batches, self._stream_position, checkpoint)
+        except Exception as err:  # raised below, on every rank, once the ranks know (none waits for a failed one)
+            failure = err
         finally:
             self.args.save_total_limit = limit
-        if self._stream_batches is not None:  # each rank's own position in the stream, before the marker lists files
-            checkpoint = get_checkpoint_dir(self._get_output_dir(trial=trial), self.state.global_step)
-            save_stream_state(self._stream_batches, self._stream_position, checkpoint)
         # Every rank writes files of its own (its RNG state; shards under FSDP/DeepSpeed): the marker, which lists
-        # the checkpoint's files, must wait until all of them are written.
-        self.accelerator.wait_for_everyone()
+        # them with their hashes, waits until all ranks have written theirs, and is never written if one failed.
+        if not all_ranks_agree(failure is None, self.accelerator):
+            error = describe_save_failure(failure, checkpoint)
+            if error is failure:
+                raise failure
+            raise error from failure
+        digests = gather_objects(relative_digests(digests, checkpoint), self.accelerator)
         if self.args.should_save:
-            complete_checkpoint(self._get_output_dir(trial=trial), self.state, limit)
-
-    def _has_accuracy(self) -> bool:
-        return self.objective is not None and self.objective.has_accuracy
+            counters = {"skipped_steps": self.meter.skipped_steps, "empty_windows": self.meter.empty_windows}
+            try:
+                complete_checkpoint(
+                    run_dir, self.state, limit, {k: v for d in digests for k, v in d.items()},
+                    run=self._run_settings, hfacc=counters,
+                )  # fmt: skip
+            except OSError as err:
+                raise describe_save_failure(err, checkpoint) from err
 
 
 # Also importable from here, where they lived before (hfacc.trainer.TokenWeightedArguments, ...).

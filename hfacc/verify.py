@@ -30,11 +30,10 @@ from .audit import (
 )
 from .diagnosis import Finding, diagnose, stock_loss
 from .distributed import get_gradient_scale
-from .loss import LossSums, WindowCounts, normalize_window_loss
-from .loss_path import choose_loss_path
+from .loss import WindowCounts
 from .model_io import get_aux_loss, get_base_model
-from .objective import CausalLMObjective, Objective
-from .objective_choice import get_objective
+from .model_setup import build_model_setup
+from .objectives import Objective
 from .window import compute_micro_batch_loss, count_window
 
 PATHS = ("hfacc", "stock")
@@ -196,21 +195,27 @@ def verify_accumulation(
         base = copy.deepcopy(base).float()
         model = base
     model.train()
-    if isinstance(objective, str):
-        objective = get_objective(model, full_batch, name=objective)
+    # The decisions training takes, by the same function (padded micro-batches: verify checks the accumulation).
+    setup = build_model_setup(
+        model,
+        micro_batches[0],
+        accelerator,
+        objective=objective,
+        padding_free=False,
+        fused_loss=fused_loss,
+        normalization=normalization,
+    )
+    objective = setup.objective
     # The reference always takes the plain path (full logits); the accumulation takes the path training takes.
     reference_objective = copy.copy(objective)
     loss_path = "plain"
-    if isinstance(objective, CausalLMObjective):
+    if objective.supports_fused:
         reference_objective.fused = False
-        problem = choose_loss_path(
-            objective, model, micro_batches[0], accelerator, fused_loss=fused_loss, normalization=normalization
-        )
-        loss_path = "fused chunked cross-entropy" if objective.fused else f"plain ({problem})"
+        loss_path = "fused chunked cross-entropy" if objective.fused else f"plain ({setup.loss_path_problem})"
     wrapped = accelerator.prepare_model(model) if world > 1 else model
     named = [(n, p) for n, p in get_base_model(model).named_parameters() if p.requires_grad]
 
-    window = count_window(objective.count, micro_batches, accelerator)
+    window = count_window(objective.count, micro_batches, accelerator, size=len(objective.units))
     scale = get_gradient_scale(accelerator.distributed_type, world)
 
     def accumulate(which: str, autocast: torch.dtype | None = None) -> torch.Tensor:
@@ -241,8 +246,9 @@ def verify_accumulation(
                 inner, reference_objective, examples, collate, micro_batch_size, accelerator.device
             )
         else:
-            whole = WindowCounts(*_sequence_counts(sums), 1)
-            loss = normalize_window_loss(sums, whole, normalization=normalization)
+            units = tuple(reference_objective.count(full_batch).tolist())  # the big batch: one window, one rank
+            whole = WindowCounts(units[0], units[1], 1, units)
+            loss = reference_objective.loss(sums, whole, normalization=normalization)
         aux = get_aux_loss(inner, outputs)  # the big batch's own router loss: what one big step would add
         (loss if aux is None else loss + aux).backward()
         return flatten_grads(named)
@@ -314,13 +320,6 @@ def _micro_batch_reference(model, objective, examples, collate, size, device):
         _, sums = objective(model, part)
         total = total + sums.loss / sums.count.clamp(min=1)
     return total / len(parts)
-
-
-def _sequence_counts(sums: LossSums) -> tuple[int, int]:
-    """(targets, sequences with a target) of the big batch's sums (per-sequence or already totalled)."""
-    count = sums.count
-    sequences = int((count > 0).sum()) if count.dim() else int(count > 0)
-    return int(count.sum()), sequences
 
 
 def _to(batch, device):

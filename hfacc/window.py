@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .loss import LossSums, WindowCounts, normalize_window_loss
+from .loss import WindowCounts
 from .model_io import get_aux_loss
-from .objective import Objective
+from .objectives import Objective
 
 
 @dataclass
@@ -38,15 +38,19 @@ class Window:
         size: the micro-batches the Trainer runs, those that only repeat examples (``repeated``) included.
         repeated: positions, in running order, of the micro-batches that hold only examples accelerate repeated at
             the end of an epoch: they run (every rank takes part in the all-reduce) and contribute nothing.
-        staged: ``[loss sum, correct]`` of the micro-batches run so far, on device (no host sync per micro-batch).
+        staged: the logged sums (:meth:`hfacc.Objective.metric_sums`) of the micro-batches run so far, on device
+            (no host sync per micro-batch); None until the first.
         losses: each micro-batch's loss sum, to name the one that was not finite.
+        dtype: of the staged sums (float64, so that the log keeps every fp32 digit; float32 where a device has no
+            float64).
     """
 
     batches: list[Mapping[str, Any]]
     counts: WindowCounts
     size: int
-    staged: torch.Tensor
+    staged: torch.Tensor | None = None
     repeated: frozenset[int] = frozenset()
+    dtype: torch.dtype = torch.float64
     losses: list[torch.Tensor] = field(default_factory=list)
     taken: int = 0
 
@@ -65,11 +69,12 @@ class Window:
         self.taken += 1
         return index in self.repeated
 
-    def stage(self, sums: LossSums) -> None:
-        """Keep a micro-batch's sums until the step gate commits or drops the window."""
-        loss = sums.loss.detach().sum()
-        self.losses.append(loss)
-        self.staged += torch.stack([loss.to(self.staged.dtype), sums.correct.sum().to(self.staged.dtype)])
+    def stage(self, values: torch.Tensor) -> None:
+        """Keep a micro-batch's logged sums (:meth:`hfacc.Objective.metric_sums`, entry 0 its loss sum) until the
+        step gate commits or drops the window."""
+        values = values.reshape(-1, values.shape[-1]).sum(0).to(self.dtype)
+        self.losses.append(values[0])
+        self.staged = values if self.staged is None else self.staged + values
 
 
 def count_window(
@@ -77,19 +82,22 @@ def count_window(
     batches: list[Mapping[str, Any]],
     accelerator,
     device: torch.device | None = None,
+    size: int = 2,
 ) -> WindowCounts:
     """:class:`WindowCounts` of ``batches``, summed over all data-parallel ranks in one collective.
 
-    ``count(batch)`` gives ``tensor([targets, sequences with a target])`` (:meth:`hfacc.Objective.count`).
+    ``count(batch)`` gives ``tensor([targets, sequences with a target, *more])`` (:meth:`hfacc.Objective.count`),
+    ``size`` entries (``len(Objective.units)``: every rank must reduce a vector of the same size, also a rank whose
+    window is empty).
     """
     device = accelerator.device if device is None else device
-    counts = torch.zeros(2, dtype=torch.long, device=device)
+    counts = torch.zeros(size, dtype=torch.long, device=device)
     for batch in batches:
         counts += count(batch).to(device)
     if accelerator.num_processes > 1:
         counts = accelerator.reduce(counts, reduction="sum")
-    num_targets, num_sequences = counts.tolist()
-    return WindowCounts(num_targets, num_sequences, len(batches))
+    units = tuple(counts.tolist())
+    return WindowCounts(units[0], units[1], len(batches), units)
 
 
 def compute_micro_batch_loss(
@@ -103,13 +111,13 @@ def compute_micro_batch_loss(
 ):
     """Run one micro-batch and return ``(loss to backpropagate, outputs, sums)``: what training does, in one place.
 
-    The loss is the micro-batch's share of the window loss (:func:`hfacc.loss.normalize_window_loss`), plus, for
+    The loss is the micro-batch's share of the window loss (:meth:`hfacc.Objective.loss`), plus, for
     mixture-of-experts models that return a router ``aux_loss``, ``router_aux_loss_coef * aux_loss / k``: that
     auxiliary loss is a statistic of each micro-batch's own routing, so it can only be averaged over micro-batches
     (``hfacc verify`` reports it as a split-dependent term).
     """
     outputs, sums = objective(model, batch, per_sequence=normalization == "sequence")
-    loss = normalize_window_loss(sums, window, normalization=normalization, world_size=world_size)
+    loss = objective.loss(sums, window, normalization=normalization, world_size=world_size)
     aux = get_aux_loss(model, outputs)
     if aux is not None:
         loss = loss + aux / max(window.num_micro_batches, 1)

@@ -3,6 +3,8 @@
 Each ``tests/chat_templates/<family>.jinja`` was written here to render exactly what a real model's published chat
 template renders (``index.json`` names the model and where its template is published); ``renderings.json`` holds
 what the published templates render for the conversations below, so every case checks that ours still does.
+Families whose index entry names a ``template`` file use that published template itself, vendored byte for byte
+under ``tests/chat_templates/published/`` (its ``SOURCES.md`` gives each repository and commit).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from hfacc.embedded import build_bpe_tokenizer
 
 CORPUS_DIR = Path(__file__).parent / "chat_templates"
-KINDS = ("plain", "tools", "reasoning", "assistant_first", "parts")
+KINDS = ("plain", "tools", "reasoning", "assistant_first", "parts", "tool_reasoning")
 
 SYSTEM = {"role": "system", "content": "Be brief."}
 # The user's own text holds the answers ("Yes", "No"): a mask that searched for the answer would find them there.
@@ -62,6 +64,31 @@ REASONING = [
     {"role": "user", "content": "And 9?"},
     {"role": "assistant", "content": "No.", "reasoning_content": "9 is 3 times 3."},
 ]
+# Two parallel calls after the last user message, their two results, the answer: the call turn's reasoning is
+# rendered (Gemma 4 keeps it only after the last user message), and several tool results follow one call turn.
+TOOL_REASONING = [
+    {"role": "user", "content": "What is the weather in Paris and in Lyon?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "Two cities: two calls.",
+        "tool_calls": [
+            TOOL_CALL,
+            {
+                "id": "f5g6h7i8j",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Lyon"}},
+            },
+        ],
+    },
+    {"role": "tool", "tool_call_id": "a1b2c3d4e", "name": "get_weather", "content": "22 C, sunny"},
+    {"role": "tool", "tool_call_id": "f5g6h7i8j", "name": "get_weather", "content": "18 C, rain"},
+    {
+        "role": "assistant",
+        "content": "Paris: 22 C and sunny. Lyon: 18 C and rain.",
+        "reasoning_content": "Both answered.",
+    },
+]
 ASSISTANT_FIRST = [
     {"role": "assistant", "content": "Hi! How can I help?"},
     {"role": "user", "content": "Say yes."},
@@ -97,7 +124,12 @@ def renderings() -> dict:
 
 
 def template(family: str) -> str:
-    return (CORPUS_DIR / f"{family}.jinja").read_text()
+    return (CORPUS_DIR / template_file(family)).read_text()
+
+
+def template_file(family: str) -> str:
+    """The family's template, relative to tests/chat_templates/: a published one, or one re-written here."""
+    return index()["families"][family].get("template", f"{family}.jinja")
 
 
 @cache
@@ -131,10 +163,11 @@ def conversation(family: str, kind: str) -> tuple[list[dict], list[dict] | None]
         return copy.deepcopy(REASONING), None
     if kind == "assistant_first":
         return copy.deepcopy(ASSISTANT_FIRST), None
-    messages = copy.deepcopy(TOOL_CONVERSATION)
+    messages = copy.deepcopy(TOOL_REASONING if kind == "tool_reasoning" else TOOL_CONVERSATION)
     call = messages[1]
     if options.get("tool_args") == "json":  # DeepSeek-V3 concatenates the arguments as a string
-        call["tool_calls"][0]["function"]["arguments"] = json.dumps(TOOL_CALL["function"]["arguments"])
+        for tool_call in call["tool_calls"]:
+            tool_call["function"]["arguments"] = json.dumps(tool_call["function"]["arguments"])
     if options.get("tool_call_in_content"):  # LFM2 never reads tool_calls: its data writes the call as text
         del call["tool_calls"]
         call["content"] = '<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>'

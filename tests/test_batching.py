@@ -9,7 +9,7 @@ import torch
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
 from hfacc.batching import TokenBudgetBatchSampler, check_packing, pack_examples
 from hfacc.loss import shift_labels
-from hfacc.objective import CausalLMObjective
+from hfacc.objectives import CausalLMObjective
 from tests.helpers import (
     VOCAB,
     build_family,

@@ -11,8 +11,10 @@ from functools import cache
 import pytest
 
 from hfacc.chat import METHODS, get_renderer
-from hfacc.data import encode_row, normalize_messages, normalize_tools
+from hfacc.data import DataError, encode_row, normalize_messages, normalize_tools
 from tests.chat_corpus import (
+    CORPUS_DIR,
+    KINDS,
     cases,
     conversation,
     expected_rendering,
@@ -38,11 +40,18 @@ def masked(family, kind):
 
 def test_the_corpus_is_as_large_as_promised():
     families = index()["families"]
-    assert len(families) >= 20 and len(CASES) >= 90
-    assert {kind for _, kind in CASES} == {"plain", "tools", "reasoning", "assistant_first", "parts"}
+    assert len(families) >= 38 and len(CASES) >= 150
+    assert {kind for _, kind in CASES} == set(KINDS)
+    sources = (CORPUS_DIR / "published" / "SOURCES.md").read_text()
     for family, entry in families.items():
         assert entry["model"] and entry["published"].startswith("https://"), family
-        assert template(family).startswith("{#-") and entry["model"].split("/")[0] in template(family)
+        if "template" in entry:  # a published template, vendored byte for byte: where it comes from is recorded
+            source = entry["source"]
+            folder = entry["template"].split("/")[1]
+            assert f"| `{folder}/` | {source['repository']}" in sources and source["commit"] in sources, family
+            assert entry["published"].endswith(f"{source['commit']}/{source['path']}"), family
+        else:  # re-written here: the file says which model's template it renders
+            assert template(family).startswith("{#-") and entry["model"].split("/")[0] in template(family)
 
 
 @pytest.mark.parametrize(("family", "kind"), CASES)
@@ -81,11 +90,16 @@ def test_stop_token_is_trained_trl_check(family):
         {"role": "assistant", "content": "dummy"},
         {"role": "user", "content": "dummy"},
     ]
-    ids, labels, _, _ = encode_row(tokenizer, {"messages": messages}, 0, "messages")
+    ids, labels, _, unclosed = encode_row(tokenizer, {"messages": messages}, 0, "messages")
     added = set(tokenizer.get_added_vocab().values())
     trained = [t for t, y in zip(ids, labels, strict=True) if y != -100]
     last = next(t for t in reversed(trained) if tokenizer.decode([t]).strip())
-    assert last in added, f"{family}: the turn's last trained token is {tokenizer.decode([last])!r}"
+    if index()["families"][family].get("options", {}).get("no_end_of_turn_token"):
+        # ChatQA and AmberChat end a turn with plain text: no token to train, and hfacc counts the turn as open
+        # (the build warns), where TRL's check would fail.
+        assert last not in added and unclosed == 1, family
+        return
+    assert last in added and unclosed == 0, f"{family}: the turn's last trained token is {tokenizer.decode([last])!r}"
 
 
 @pytest.mark.parametrize(("family", "kind"), CASES)
@@ -144,3 +158,130 @@ def test_negative_control_the_previous_masking_fails_these_cases():
     assert wrong["phi3", "plain"][1].endswith("<|end|>\n<|endoftext|>")  # scaffolding after the end trained
     assert len(wrong["qwen3", "tools"]) == 2  # the tool call turn lost
     assert ("qwen2_5", "plain") not in wrong and ("llama3", "plain") not in wrong
+
+
+PUBLISHED = [f for f, entry in index()["families"].items() if "template" in entry]
+
+
+def _match_prefix_before_issue_21(renderer, tail, text, at):
+    """The generation-prompt match as it was: all of the tail, or its longest prefix of whole tokens (any)."""
+    if text.startswith(tail, at):
+        return len(tail)
+    return next((b for b in reversed(renderer.token_boundaries(tail)) if text.startswith(tail[:b], at)), None)
+
+
+def _turn_end_before_issue_21(renderer, messages, k, tools, full):
+    """The turn's end as it was: its whole segment, and a marker only where the next message's segment opens."""
+    start, end = full.segments[k]
+    text = full.text
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    if renderer.special_at_end(text, end):
+        return end, True
+    following = [s for s in full.segments[k + 1 :] if s is not None]
+    boundary = full.segments[k][1]
+    if following and following[0][0] == boundary and renderer.special_at(text, boundary) is not None:
+        return boundary + len(renderer.special_at(text, boundary)), True
+    return end, False
+
+
+def test_negative_control_the_masking_before_issue_21_fails_the_published_templates(monkeypatch):
+    """The published templates' cases can fail: with the four pieces issue 21 changed put back as they were (the
+    prompt match, the turn's end, the content probe, and no prefix renders for a turn written after the loop, whose
+    whole-conversation fallback fails here), most cases are wrong in the ways the issue reports."""
+    import hfacc.chat as chat
+
+    nemotron = tokenizer_for("nemotron_nano_v2")  # the old path: prefix renders of every turn, refused
+    messages = normalize_messages(conversation("nemotron_nano_v2", "plain")[0], 0, "messages", need_assistant=True)
+    with pytest.raises(chat.ChatTemplateError, match="assistant message 2"):
+        chat._prefix_spans(
+            get_renderer(nemotron), messages, [2, 4], None, nemotron.apply_chat_template(messages, tokenize=False)
+        )
+
+    def no_prefix_for_one_turn(renderer, messages, k, tools, text, why):
+        raise chat.ChatTemplateError(f"assistant message {k}: {why} (the template's loops cannot be traced)")
+
+    monkeypatch.setattr(chat, "_match_prefix", _match_prefix_before_issue_21)
+    monkeypatch.setattr(chat, "_turn_end", _turn_end_before_issue_21)
+    monkeypatch.setattr(chat, "_dumped_parts", lambda text, probes: "'type'" in text or '"type"' in text)
+    monkeypatch.setattr(chat, "_prefix_span", no_prefix_for_one_turn)
+    trained, refused = {}, set()
+    fresh = {f: tokenizer_for.__wrapped__(f) for f in PUBLISHED}  # fresh renderers, probed the old way
+    for family, kind in [(f, k) for f, k in CASES if f in PUBLISHED]:
+        tokenizer = fresh[family]
+        messages, tools = conversation(family, kind)
+        try:
+            ids, labels, _, _ = encode_row(tokenizer, {"messages": messages, "tools": tools}, 0, "messages")
+        except DataError:
+            refused.add((family, kind))
+            continue
+        text = expected_rendering(family, kind)
+        got = [text[a:b] for a, b in trained_spans(tokenizer, text, ids, labels)]
+        if got != index()["families"][family]["kinds"][kind]["trained"]:
+            trained[family, kind] = got
+    cases = [c for c in CASES if c[0] in PUBLISHED]
+    assert len(trained) + len(refused) >= 0.8 * len(cases)  # 46 of 55 when written, as main measured then
+    assert any("22 C, sunny" in t for t in trained["gemma4", "tools"])  # the tool result trained
+    assert "<｜Assistant｜>" in trained["deepseek_v3_1_vllm_tools", "plain"][0]  # the header trained
+    assert "###Assistant:" in trained["amberchat", "plain"][0] and "Assistant:" in trained["chatqa", "plain"][0]
+    assert "<s>bot" in trained["saiga", "plain"][0]
+    assert trained["jamba", "plain"][-1] == " No" and trained["metharme", "plain"][-1] == "No"  # no closing marker
+    assert {("nemotron_nano_v2", k) for k in ("plain", "tools")} <= refused
+    assert {("deepseek_v3_vllm_tools", "plain"), ("llama4_vllm_json_tools", "plain")} <= refused
+    assert ("hermes_vllm_tools", "parts") in refused  # the raw Jinja error of the content probe
+
+
+def test_show_mask_and_the_build_warning_say_what_is_trained(tmp_path, capsys, caplog):
+    """``hfacc show-mask`` shows Gemma 4's tool call trained up to its stop token and the tool result not; single
+    turns of Jamba and ChatQA: Jamba's closing <|eom|> is trained (no warning), ChatQA has no token to train, and
+    the warning says that, not that the template ends turns with the next message's marker."""
+    import json
+    import logging
+
+    from datasets import Dataset
+
+    from hfacc.cli import main as cli_main
+    from hfacc.data import build_sft_dataset
+
+    messages, tools = conversation("gemma4", "tools")
+    data = tmp_path / "tools.jsonl"
+    data.write_text(json.dumps({"messages": messages, "tools": json.dumps(tools)}) + "\n")
+    tokenizer_for("gemma4").save_pretrained(tmp_path / "gemma4")
+    argv = ["--model_name_or_path", str(tmp_path / "gemma4"), "--dataset_name", str(data), "--color", "false"]
+    assert cli_main(["show-mask", *argv]) == 0
+    out = capsys.readouterr().out
+    assert '[[<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>]]response:' in out
+    assert "22 C, sunny" in out.split("<|tool_response>]]")[1].split("[[")[0]  # untrained, up to the next answer
+
+    single = [{"messages": PLAIN_SINGLE_TURN}]
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        jamba = build_sft_dataset(Dataset.from_list(single), tokenizer_for("jamba"))
+        assert "end without an end-of-turn token" not in caplog.text
+        build_sft_dataset(Dataset.from_list(single), tokenizer_for("chatqa"))
+    assert "1 assistant turns end without an end-of-turn token" in caplog.text and "plain text" in caplog.text
+    jamba_tokenizer = tokenizer_for("jamba")
+    trained = [t for t, y in zip(jamba[0]["input_ids"], jamba[0]["labels"], strict=True) if y != -100]
+    assert jamba_tokenizer.decode(trained[-1:]) == "<|eom|>"
+
+
+PLAIN_SINGLE_TURN = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Is 7 prime? Answer Yes or No."},
+    {"role": "assistant", "content": "Yes"},
+]
+
+
+def test_a_tool_result_the_template_drops_is_not_cut_from_the_answer():
+    """Metharme writes nothing for a tool message; its content also in the answer before it is the answer's own
+    text, trained in full (the cut applies only where a silent message's text is really in the turn)."""
+    call = {"id": "x", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Let me check: 22 C", "tool_calls": [call]},
+        {"role": "tool", "content": "22 C"},
+        {"role": "assistant", "content": "It is 22 C."},
+    ]
+    tokenizer = tokenizer_for("metharme")
+    ids, labels, _, _ = encode_row(tokenizer, {"messages": messages}, 0, "messages")
+    trained = tokenizer.decode([t for t, y in zip(ids, labels, strict=True) if y != -100])
+    assert trained.startswith("Let me check: 22 C<|model|>") and trained.endswith("It is 22 C.</s>")

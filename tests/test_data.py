@@ -221,9 +221,13 @@ def test_non_text_parts_are_refused_with_the_row():
     rows.append({"messages": [{"role": "user", "content": image}, {"role": "assistant", "content": text}]})
     with pytest.raises(
         DataError,
-        match=r"row 2, field 'messages', message 0, content part 0: a part of type 'image'.*"
-        r"multimodal training is not supported",
+        match=r"row 2, field 'messages', message 0, content part 0: an image, but the tokenizer \(or processor\) "
+        r"given has no image processor.*build_sft_dataset\(dataset, processor\)",
     ):
+        build_sft_dataset(Dataset.from_list(rows), tokenizer)
+    audio = [{"type": "audio", "audio": "a.wav"}, *text]
+    rows[2] = {"messages": [{"role": "user", "content": audio}, {"role": "assistant", "content": text}]}
+    with pytest.raises(DataError, match=r"content part 0: a part of type 'audio'. hfacc trains on text and images"):
         build_sft_dataset(Dataset.from_list(rows), tokenizer)
 
 
@@ -320,9 +324,10 @@ def test_json_rows_with_tool_calls_reasoning_and_parts_validate_and_errors_name_
     )
     bad({"messages": REASONING, "tools": "[{oops"}, r"row 1 \(line 2 of chat.jsonl\), field 'tools': not valid JSON")
     bad({"messages": REASONING, "tools": [1, 2]}, r"field 'tools': expected a list of JSON schemas")
-    image = [{"type": "image_url", "image_url": {"url": "x"}}]
+    image = [{"type": "input_audio", "input_audio": {"data": "x"}}]  # image parts are for a processor to judge
     bad(
-        {"messages": [{"role": "user", "content": image}, REASONING[1]]}, r"content part 0: a part of type 'image_url'"
+        {"messages": [{"role": "user", "content": image}, REASONING[1]]},
+        r"content part 0: a part of type 'input_audio'",
     )
     bad(
         {"messages": [REASONING[0], {"role": "assistant"}]},
@@ -356,3 +361,38 @@ def test_show_mask_shows_tool_calls_reasoning_and_how_rows_were_masked(tmp_path,
     assert calls + "; tools: get_weather" in out
     assert '[[<tool_call>\n{"name": "get_weather", "arguments": {"city": ' in out  # the call is trained
     assert "<|im_start|>user\n<tool_response>\n" in out and "[[" not in out.split("<tool_response>")[1][:12]
+
+
+def test_a_message_without_a_role_is_a_named_error():
+    """Arrow gives a message that lacks 'role' a role of None (another row's messages have one): a DataError naming
+    the row, the message and the fix, not a KeyError."""
+    rows = [{"messages": CONVERSATION}, {"messages": [{"content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
+    data = Dataset.from_list(rows)
+    assert data[1]["messages"][0]["role"] is None
+    with pytest.raises(DataError, match=r"row 1, field 'messages', message 0: the message has no 'role'.*one of \["):
+        build_sft_dataset(data, qwen_tokenizer())
+    with pytest.raises(DataError, match=r"message 0: the message has no 'role'"):
+        tokenize_messages(qwen_tokenizer(), rows[1]["messages"])
+
+
+def test_show_mask_on_a_tokenizer_folder_and_a_one_row_file(tmp_path, capsys):
+    """``hfacc show-mask`` needs only a tokenizer (a folder without model weights is enough) and shows the rows of a
+    file in order, however few; a folder without a tokenizer is one error line with exit code 2."""
+    from hfacc.cli import main as cli_main
+    from tests.chat_corpus import tokenizer_for
+
+    tokenizer_for("qwen2_5").save_pretrained(tmp_path / "tokenizer")  # no config.json, no weights
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"messages": CONVERSATION[:3]}) + "\n")
+    argv = ["show-mask", "--model_name_or_path", str(tmp_path / "tokenizer"), "--dataset_name", str(data)]
+    assert cli_main([*argv, "--count", "5", "--color", "false"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- example") == 1 and "--- example 0:" in out and "[[It is 4.<|im_end|>]]" in out
+    for wrong, message in (
+        (["--index", "1"], "error: --index 1: the data has fewer rows"),
+        (["--model_name_or_path", str(tmp_path)], f"error: tokenizer {tmp_path}: the folder has no tokenizer files"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main([*argv, *wrong])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith(message) and "Traceback" not in err

@@ -70,6 +70,10 @@ COMMANDS = {
         "skip",
         "the main job (~2.5 min); CI runs it as written, tests/test_recipe.py runs the same recipe shortened",
     ),
+    "accelerate launch recipes/sft.py --config recipes/configs/tiny-vlm.yaml": (
+        "skip",
+        "the offline vision-language example (~2 min); tests/test_vision.py runs the same config shortened",
+    ),
     "python -m pytest": ("skip", "the test suite itself (this test is part of it); CI runs it as written"),
     "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
         "skip",

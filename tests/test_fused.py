@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
 from hfacc.fused_loss import fused_linear_cross_entropy_sums, linear_cross_entropy_chunk
-from hfacc.loss_path import check_fused_loss
-from hfacc.objective import CausalLMObjective
+from hfacc.objectives import CausalLMObjective
+from hfacc.objectives.causal_lm import check_fused_loss
 from tests.helpers import (
     VOCAB,
     flat_grad,

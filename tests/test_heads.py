@@ -237,3 +237,50 @@ def test_plug_in_loss_sum_and_count_makes_it_exact(tmp_path):
         TokenWeightedTrainer, model, rows, train_args(tmp_path, 1, 8), collate, objective=objective
     )
     assert relative_error(capture.grads[0], reference_grad) <= TOL
+
+
+def test_seq2seq_training_arguments_save_checkpoints_and_resume(tmp_path):
+    """transformers' ``run_summarization.py`` with ``TokenWeightedTrainer``: ``Seq2SeqTrainingArguments`` with
+    ``save_steps`` saves every checkpoint (``training_args.bin`` included), resumes from one exactly, and the saved
+    arguments load in a fresh process."""
+    import subprocess
+    import sys
+
+    from datasets import Dataset
+    from transformers import Seq2SeqTrainingArguments
+
+    data = Dataset.from_list(make_data("seq2seq", 8))
+
+    def run(output, **kwargs):
+        args = train_args(
+            output,
+            2,
+            2,
+            args_class=Seq2SeqTrainingArguments,
+            predict_with_generate=True,
+            learning_rate=1e-2,
+            max_steps=4,
+            save_strategy="steps",
+            save_steps=2,
+        )
+        model = build("seq2seq")
+        trainer = TokenWeightedTrainer(model=model, args=args, train_dataset=data, data_collator=collate)
+        trainer.train(**kwargs)
+        return trainer, torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    trainer, straight = run(tmp_path / "straight")
+    trainer.save_model(str(tmp_path / "final"))
+    assert (tmp_path / "straight" / "checkpoint-2" / "training_args.bin").is_file()
+    _, resumed = run(tmp_path / "resumed", resume_from_checkpoint=str(tmp_path / "straight" / "checkpoint-2"))
+    assert relative_error(resumed, straight) < TOL
+    # One fresh process loads both (an import of torch and transformers costs seconds on 2 cores).
+    load = (
+        "import sys, torch\n"
+        "for path in sys.argv[1:]:\n"
+        "    args = torch.load(path, weights_only=False)\n"
+        "    print(type(args).__name__, args.predict_with_generate, args.normalization, args.save_steps)"
+    )
+    saved = [tmp_path / "final" / "training_args.bin", tmp_path / "straight" / "checkpoint-4" / "training_args.bin"]
+    out = subprocess.run([sys.executable, "-c", load, *map(str, saved)], capture_output=True, text=True, timeout=120)
+    expected = ["TokenWeightedSeq2SeqTrainingArguments", "True", "token", "2"]
+    assert out.stdout.split() == expected * 2, out.stderr[-2000:]

@@ -9,7 +9,7 @@ import transformers as T
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
 from hfacc.loss import shift_labels
 from hfacc.model_io import get_aux_loss
-from hfacc.objective import CausalLMObjective, SequenceClassificationObjective
+from hfacc.objectives import CausalLMObjective, SequenceClassificationObjective
 from hfacc.padding_free import (
     check_padding_free,
     check_row_offsets,
@@ -88,7 +88,9 @@ def test_batches_that_cannot_be_laid_out_in_one_row_stay_padded():
     empty = {**batch, "attention_mask": batch["attention_mask"].clone()}
     empty["attention_mask"][1] = 0
     assert remove_padding(empty) is None
-    assert remove_padding({**batch, "pixel_values": torch.zeros(3, 3, 8, 8)}) is None
+    assert remove_padding({**batch, "per_example_weights": torch.zeros(3, 3, 8, 8)}) is None
+    # Images are not per token either, but the model takes them in the order of their tokens: kept (test_vision.py).
+    assert remove_padding({**batch, "pixel_values": torch.zeros(3, 3, 8, 8)})["pixel_values"].shape == (3, 3, 8, 8)
     # Positions of its own that do not count from each sequence's first token (left padding, absolute positions).
     left = left_pad(make_examples(3, seed=2))
     arange = torch.arange(left["input_ids"].shape[1]).expand_as(left["input_ids"])
@@ -289,7 +291,7 @@ def test_models_that_cannot_go_padding_free_train_padded_and_say_so_once(tmp_pat
 
 def test_heads_other_than_causal_lm_and_the_setting(tmp_path, caplog):
     model = build_tiny_llama(vocab_size=VOCAB)
-    assert "padding-free applies to causal LMs" in padding_free_problem(model, SequenceClassificationObjective())
+    assert "does not support padding-free" in padding_free_problem(model, SequenceClassificationObjective())
     assert padding_free_problem(model, CausalLMObjective()) is None
     examples = make_examples(4, seed=9)
     args = train_args(tmp_path, 4, 1, args_class=TokenWeightedArguments, padding_free=False)
@@ -375,7 +377,7 @@ def test_a_router_loss_gets_the_padded_gradient_in_one_row(tmp_path, caplog, fam
     reference = padded_reference(model, examples, 4)
     trainer, capture, warnings = train_family(tmp_path, caplog, model, examples)
     assert relative_error(capture.grads[0], reference) <= 1e-6
-    assert trainer.padding_free and trainer.padding_free_one_row
+    assert trainer.padding_free and trainer.model_setup.one_row
     assert len(warnings) == 1 and "(one row), checked" in warnings[0] and "Not packed rows" in warnings[0]
     assert "auxiliary (router) loss by" in warnings[0] and "the gradient that reaches the filler" in warnings[0]
     # The check is needed: packed rows with a filler train another gradient.
@@ -414,7 +416,7 @@ def test_gemma3n_trains_packed_rows_with_a_filler_of_real_tokens(tmp_path, caplo
     examples = make_examples(8, seed=14, lengths=(5, 30))
     reference = padded_reference(model, examples, 4)
     trainer, capture, warnings = train_family(tmp_path, caplog, model, examples)
-    assert trainer.padding_free and not trainer.padding_free_one_row and not warnings
+    assert trainer.padding_free and not trainer.model_setup.one_row and not warnings
     assert torch.isfinite(capture.grads[0]).all() and relative_error(capture.grads[0], reference) <= 1e-6
     # The filler as it was (the pad token 0): the check's backward sees the NaN, which the padded run does not have.
     lay_out = padding_free.remove_padding
@@ -450,7 +452,7 @@ def test_llama4_falls_back_to_rows_it_verified(tmp_path, caplog, monkeypatch):
     reference = padded_reference(model, examples, 4)
     trainer, capture, warnings = train_family(tmp_path, caplog, model, examples)
     assert relative_error(capture.grads[0], reference) <= 1e-6
-    assert trainer.padding_free and not trainer.padding_free_one_row
+    assert trainer.padding_free and not trainer.model_setup.one_row
     assert len(warnings) == 1 and "Not one row: a sequence laid from row offset 50 on" in warnings[0]
     batch = pad(examples[:4])
     assert (
@@ -476,7 +478,7 @@ def test_one_row_verified_to_an_offset_keeps_longer_micro_batches_padded(tmp_pat
     seen, _ = record_inputs(model)
     trainer, capture, warnings = train_family(tmp_path, caplog, model, examples)
     assert relative_error(capture.grads[0], reference) <= 1e-6
-    assert trainer.padding_free and trainer.padding_free_one_row and trainer.padding_free_max_row == 50
+    assert trainer.padding_free and trainer.model_setup.one_row and trainer.model_setup.max_row_length == 50
     assert len(warnings) == 1 and "(one row), at most 50 tokens per row" in warnings[0]
     assert "a micro-batch with more real tokens stays padded" in warnings[0]
     # The first micro-batch (99 real tokens) trains padded, the second (34) in one row.

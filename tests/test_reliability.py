@@ -13,11 +13,12 @@ from datasets import Dataset
 from torch import nn
 
 from hfacc import DataCollatorForCausalLM, NonFiniteLossError, TokenWeightedArguments, TokenWeightedTrainer
-from hfacc.checkpoint import MARKER, resolve_checkpoint
+from hfacc.checkpoint import MARKER, RUN_RECORD, resolve_checkpoint
 from hfacc.config import ConfigError
+from hfacc.console import format_train_log
 from hfacc.data import DataError, build_sft_dataset, load_sft_source
-from hfacc.embedded import build_bpe_tokenizer, build_default_tokenizer
-from hfacc.modeling import build_tiny_llama, get_tokenizer, load_causal_lm
+from hfacc.embedded import build_bpe_tokenizer, build_default_tokenizer, build_tiny_llama
+from hfacc.modeling import get_tokenizer, load_causal_lm
 from tests.helpers import ROOT, VOCAB, load_recipe, make_examples, recipe_types, run_trainer, train_args
 
 COLLATE = DataCollatorForCausalLM(pad_token_id=0)
@@ -199,6 +200,10 @@ def test_a_nan_window_is_skipped_and_named(tmp_path, caplog):
     assert "step 2 skipped: non-finite loss in micro-batch(es) [1] of 2 on rank 0" in caplog.text
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert trainer.state.log_history[-1]["train_skipped_steps"] == 1
+    # The interval of the skipped step logs no loss (it logged `loss nan`), and the console says why.
+    skipped = next(h for h in trainer.state.log_history if h.get("step") == 2 and "num_targets" in h)
+    assert "loss" not in skipped and skipped["skipped_steps"] == 1
+    assert format_train_log(skipped).startswith("no step applied") and "skipped steps 1" in format_train_log(skipped)
     # The skipped window left no trace: same weights as training on the two clean windows only.
     torch.manual_seed(0)
     clean = PoisonableLM()
@@ -331,7 +336,7 @@ def test_pickled_weights_are_refused(tmp_path):
     model = build_tiny_llama(vocab_size=VOCAB)
     model.config.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
-    with pytest.raises(OSError, match="safetensors|model.safetensors"):
+    with pytest.raises(ConfigError, match=r"pickled \(pytorch_model.bin\), and hfacc loads safetensors only"):
         load_causal_lm(str(tmp_path))
 
 
@@ -362,7 +367,10 @@ def test_a_malicious_pickle_in_a_checkpoint_is_not_executed(tmp_path):
     train_resumable(tmp_path, examples, num_train_epochs=1, save_steps=1, max_steps=1)
     checkpoint = tmp_path / "checkpoint-1"
     (checkpoint / "rng_state.pth").write_bytes(pickle.dumps(_Payload()))
-    (checkpoint / MARKER).unlink()  # so that only the pickle stands between the attacker and the resume
+    # A stock Trainer's checkpoint (no marker, in a folder no hfacc run wrote into): only the unpickler stands between
+    # the attacker and the resume (with the marker, the changed file is refused before it is read).
+    (checkpoint / MARKER).unlink()
+    (tmp_path / RUN_RECORD).unlink()
     Path("/tmp/hfacc-pwned").unlink(missing_ok=True)
     with pytest.raises(Exception, match="[Ww]eights only|Unsupported global|UnpicklingError"):
         train_resumable(tmp_path, examples, num_train_epochs=1, save_steps=1, max_steps=2, resume=str(checkpoint))
@@ -375,3 +383,180 @@ def test_the_library_never_calls_torch_load_without_weights_only():
         for i, line in enumerate(text.splitlines()):
             if "torch.load(" in line:
                 assert "weights_only=True" in text.splitlines()[i] + text.splitlines()[i + 1], f"{path}:{i + 1}"
+
+
+# ---- every mistake of the list, through the recipe: one `error:` line with the fix, exit code 2 ------------------
+
+
+@pytest.fixture(scope="module")
+def mistakes(tmp_path_factory):
+    """Bad files, model folders and output dirs, made once: ``{name: path}``."""
+    root = tmp_path_factory.mktemp("mistakes")
+    line = json.dumps({"messages": GOOD})
+    lines = [line] * 30
+
+    def write(name, text):
+        (root / name).write_text(text)
+        return root / name
+
+    files = {
+        "good.jsonl": write("good.jsonl", "\n".join(lines) + "\n"),
+        "broken.jsonl": write("broken.jsonl", "\n".join([*lines[:12], '{"messages": [oops', *lines]) + "\n"),
+        "data.txt": write("data.txt", "hello\n"),
+        "quote.csv": write("quote.csv", 'prompt,completion\n"a","b"\n"c","d\n"e","f"\n'),
+        "small.jsonl": write("small.jsonl", "\n".join(lines[:15]) + "\n"),
+        "empty_answer.jsonl": write(
+            "empty_answer.jsonl",
+            line + "\n" + json.dumps({"messages": [GOOD[0], {"role": "assistant", "content": ""}]}) + "\n",
+        ),
+        "lr_list.yaml": write("lr_list.yaml", "learning_rate: [1.0e-3, 2.0e-3]\n"),
+        "ga.yaml": write("ga.yaml", "gradient_accumulation_steps: 2.5\n"),
+        "a_file": write("a_file", "not a directory\n"),
+    }
+    utf8 = root / "utf8.jsonl"
+    utf8.write_bytes(
+        ("\n".join(lines[:20]) + "\n").encode() + b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n'
+    )
+    files["utf8.jsonl"] = utf8
+    folder = root / "folder"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("\n".join(lines) + "\n")
+    (folder / "b.jsonl").write_text("\n".join([*lines[:3], "{bad"]) + "\n")
+    files["folder"] = folder
+    tokenizer = build_default_tokenizer()
+    for name in ("noconfig", "bin", "shapes", "notok", "badconfig", "trunc", "small_model"):
+        path = root / name
+        build_tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, num_heads=2).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        files[name] = path
+    (root / "noconfig" / "config.json").unlink()
+    (root / "bin" / "model.safetensors").unlink()
+    (root / "bin" / "pytorch_model.bin").write_bytes(b"pickled")
+    config = json.loads((root / "shapes" / "config.json").read_text())
+    (root / "shapes" / "config.json").write_text(json.dumps({**config, "hidden_size": 64, "intermediate_size": 128}))
+    for p in (root / "notok").iterdir():
+        if "token" in p.name or "chat" in p.name:
+            p.unlink()
+    (root / "badconfig" / "config.json").write_text("{not json")
+    weights = (root / "trunc" / "model.safetensors").read_bytes()
+    (root / "trunc" / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    # Output dirs: a stock checkpoint with a broken trainer_state.json; a file where checkpoint-15 goes; another
+    # run's checkpoint; a streaming run's checkpoint; a checkpoint of a bigger model.
+    for name in ("stock", "file15", "other_run", "stream_ckpt", "bigger"):
+        (root / name).mkdir()
+    (root / "stock" / "checkpoint-2").mkdir()
+    (root / "stock" / "checkpoint-2" / "trainer_state.json").write_text("{broken")
+    (root / "file15" / "checkpoint-15").write_text("")
+    settings = {"learning_rate": 0.5, "seed": 7, "streaming": False}
+    for name, run in (("other_run", settings), ("stream_ckpt", {**settings, "streaming": True})):
+        ckpt = root / name / "checkpoint-4"
+        ckpt.mkdir()
+        (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+        (ckpt / MARKER).write_text(json.dumps({"format": 2, "run": run, "files": {}}))
+    ckpt = root / "bigger" / "checkpoint-4"
+    build_tiny_llama(vocab_size=len(tokenizer), hidden_size=64, num_layers=1, num_heads=2).save_pretrained(ckpt)
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 4}))
+    files.update({name: root / name for name in ("stock", "file15", "other_run", "stream_ckpt", "bigger")})
+    return files
+
+
+STREAM = ["--streaming", "true", "--max_steps", "2", "--stream_eval_examples", "5", "--eval_strategy", "no"]
+MISTAKES = {
+    # name: (argv, with {name} for a path of the fixture; what the one line says)
+    "map-style .jsonl not UTF-8": (["--dataset_name", "{utf8.jsonl}"], "line 21 is not valid UTF-8"),
+    "streamed .jsonl with a broken line": (
+        ["--dataset_name", "{broken.jsonl}", *STREAM],
+        "broken.jsonl: line 13 is not valid JSON",
+    ),
+    "streamed .jsonl not UTF-8": (
+        ["--dataset_name", "{utf8.jsonl}", *STREAM, "--max_steps", "4"],
+        "utf8.jsonl: line 21 is not valid UTF-8",
+    ),
+    ".txt dataset": (["--dataset_name", "{data.txt}"], "hfacc reads .json, .jsonl, .csv and .parquet files"),
+    "folder with one broken .jsonl": (["--dataset_name", "{folder}"], "b.jsonl: line 4 is not valid JSON"),
+    "CSV with an unbalanced quote": (["--dataset_name", "{quote.csv}"], "the record that starts on line 3"),
+    "stream all held out": (
+        ["--dataset_name", "{small.jsonl}", "--streaming", "true", "--max_steps", "2"],
+        "the stream has 15 rows, all held out for evaluation (stream_eval_examples=200)",
+    ),
+    "empty assistant content": (["--dataset_name", "{empty_answer.jsonl}"], "the assistant message is empty"),
+    "read-only output dir": (["--output_dir", "/sys/hfacc-out"], "cannot write to --output_dir /sys/hfacc-out"),
+    "output_dir naming a file": (["--output_dir", "{a_file}"], "is a file; name a directory"),
+    "model folder without config.json": (["--model_name_or_path", "{noconfig}"], "the folder has no config.json"),
+    "model folder with .bin weights only": (["--model_name_or_path", "{bin}"], "its weights are pickled"),
+    "weights of other shapes": (["--model_name_or_path", "{shapes}"], "its weights do not fit its config.json"),
+    "no tokenizer files": (["--model_name_or_path", "{notok}"], "the folder has no tokenizer files"),
+    "invalid config.json": (["--model_name_or_path", "{badconfig}"], "config.json is not valid JSON"),
+    "truncated weights": (["--model_name_or_path", "{trunc}"], "its weights are damaged or incomplete"),
+    "YAML learning_rate a list": (["--config", "{lr_list.yaml}"], "learning_rate: expected a number, got [0.001"),
+    "YAML gradient_accumulation_steps 2.5": (["--config", "{ga.yaml}"], "expected a whole number, got 2.5"),
+    "--learning_rate=-2e-3": (["--learning_rate=-2e-3"], "learning_rate=-0.002: it must be >= 0."),
+    "--learning_rate -1e-2": (["--learning_rate", "-1e-2"], "learning_rate=-0.01: it must be >= 0."),
+    "a second --config": (["--config", "{ga.yaml}", "--config", "{lr_list.yaml}"], "--config is given 2 times"),
+    "invalid trainer_state.json": (
+        ["--output_dir", "{stock}", "--resume_from_checkpoint", "{stock}/checkpoint-2"],
+        "its trainer_state.json is not valid JSON",
+    ),
+    "a plain file named checkpoint-15": (["--output_dir", "{file15}"], "checkpoint-15 is a file, where the Trainer"),
+    "resume_from_checkpoint naming the output dir": (
+        ["--output_dir", "{stock}", "--resume_from_checkpoint", "{stock}"],
+        "it is an output directory, not a checkpoint",
+    ),
+    "a new run over another run's checkpoints": (
+        ["--output_dir", "{other_run}"],
+        "holds checkpoints of another run (checkpoint-4: learning_rate 0.5 there",
+    ),
+    "a streaming checkpoint resumed map-style": (
+        ["--output_dir", "{stream_ckpt}", "--resume_from_checkpoint", "last"],
+        "no checkpoint of this run",
+    ),
+    "resuming with another model size": (
+        ["--model_name_or_path", "{small_model}", "--dataset_name", "{good.jsonl}", "--output_dir", "{bigger}"]
+        + ["--resume_from_checkpoint", "{bigger}/checkpoint-4", "--eval_strategy", "no"],
+        "its weights are another model's: 'lm_head.weight' has shape [320, 64] there and [320, 32] here",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_every_listed_mistake_is_one_error_line_with_exit_code_2(mistakes, case, tmp_path, capsys, monkeypatch):
+    """The recipe's __main__ in-process. Before: raw tracebacks, or messages that named no line or no fix."""
+    from hfacc.console import EXIT_USER_ERROR, run_recipe
+
+    monkeypatch.delenv("HFACC_DEBUG", raising=False)
+    argv, expected = MISTAKES[case]
+    for name, path in mistakes.items():
+        argv = [a.replace(f"{{{name}}}", str(path)) for a in argv]
+    if "--output_dir" not in argv:
+        argv += ["--output_dir", str(tmp_path / "out")]
+    # Small, should a check not fire: the run would train, and fail the test, in seconds.
+    argv += ["--num_exact_match_examples", "0", "--per_device_train_batch_size", "4", "--num_embedded_examples", "32"]
+    if "--max_steps" not in argv:
+        argv += ["--max_steps", "2"]
+    module = load_recipe()
+    with pytest.raises(SystemExit) as exit_info:
+        run_recipe(module.main, recipe_types(module), module.default_config(argv), argv=argv)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == EXIT_USER_ERROR, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and expected in lines[0], err[-2000:]
+    assert "Traceback" not in out + err
+
+
+def test_a_stream_whose_every_row_is_dropped_stops_after_one_pass(tokenizer):
+    """Before: it read the stream again and again (a 20-row stream 2000 times; the recipe: epoch 1400)."""
+    from datasets import IterableDataset
+
+    from hfacc.streaming import StreamBatches
+
+    read = []
+
+    def rows():
+        for _ in range(20):
+            read.append(1)
+            yield {"prompt": "word " * 100, "completion": "x"}
+
+    stream = build_sft_dataset(IterableDataset.from_generator(rows), tokenizer, max_length=16)
+    with pytest.raises(DataError, match="holds no usable example: all 20 of its rows were dropped"):
+        next(iter(StreamBatches(stream, COLLATE, batch_size=2)))
+    assert len(read) <= 21  # one pass (and the first row, read to know the format)

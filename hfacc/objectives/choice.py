@@ -9,13 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .loss import IGNORE_INDEX
-from .model_io import get_base_model, get_num_virtual_tokens
-from .objective import (
-    CausalLMObjective,
+from ..loss import IGNORE_INDEX
+from ..model_io import get_base_model, get_num_virtual_tokens
+from .base import Objective
+from .causal_lm import CausalLMObjective
+from .heads import (
     ModelLossObjective,
     MultiLabelObjective,
-    Objective,
     RegressionObjective,
     SequenceClassificationObjective,
     TokenObjective,

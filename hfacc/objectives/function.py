@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .loss import LossSums
-from .model_io import model_inputs
-from .objective import Objective
+from ..loss import LossSums
+from ..model_io import model_inputs
+from .base import Objective
 
 
 class FunctionObjective(Objective):

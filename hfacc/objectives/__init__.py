@@ -1,0 +1,40 @@
+"""Objectives: one module per loss family, each declaring its unit, its sums and what it sets up once.
+
+- :mod:`~hfacc.objectives.base`: :class:`Objective`, the abstract base every family implements, and the
+  :class:`SetupContext` its ``setup`` reads;
+- :mod:`~hfacc.objectives.causal_lm`: next-token prediction (SFT), the default for causal LMs;
+- :mod:`~hfacc.objectives.heads`: token labels, sequence classification, multi-label, regression, the model's own loss;
+- :mod:`~hfacc.objectives.function`: objectives from the user's functions (``FunctionObjective``,
+  ``compute_loss_func``);
+- :mod:`~hfacc.objectives.choice`: :func:`get_objective`, which one a model calls for (``objective="auto"``).
+
+A new loss is a new module here, next to these: it subclasses :class:`Objective`, and the trainer needs no branch.
+"""
+
+from .base import Objective, SetupContext
+from .causal_lm import CausalLMObjective, get_batch_sequences
+from .choice import OBJECTIVES, get_objective
+from .function import FunctionObjective, LossFunctionObjective
+from .heads import (
+    ModelLossObjective,
+    MultiLabelObjective,
+    RegressionObjective,
+    SequenceClassificationObjective,
+    TokenObjective,
+)
+
+__all__ = [
+    "Objective",
+    "SetupContext",
+    "CausalLMObjective",
+    "get_batch_sequences",
+    "TokenObjective",
+    "SequenceClassificationObjective",
+    "MultiLabelObjective",
+    "RegressionObjective",
+    "ModelLossObjective",
+    "FunctionObjective",
+    "LossFunctionObjective",
+    "OBJECTIVES",
+    "get_objective",
+]

@@ -1,0 +1,420 @@
+"""Resume and checkpoints: exact from every checkpoint on 1 and 2 ranks (map-style, token budget, stream, with row
+counts that leave the epoch's last global batch partial), a kill at any point of a save never makes `last` take an
+incomplete or corrupted checkpoint, and the resumes that used to go silently wrong are refused or exact.
+docs/reliability.md ("Interruption and checkpoints") lists these cases."""
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler, SequentialSampler
+
+from hfacc import checkpoint as checkpoints
+from hfacc.checkpoint import (
+    MARKER,
+    RUN_RECORD,
+    checkpoint_problem,
+    get_last_complete_checkpoint,
+    resolve_checkpoint,
+)
+from hfacc.config import ConfigError
+from hfacc.console import describe_user_error
+from hfacc.distributed import get_epoch_layout
+from hfacc.hashing import hashing_writes, relative_digests
+from tests import resume_check as check
+from tests.helpers import ROOT, torchrun
+
+TOL = 1e-6
+ONE_EPOCH = dict(rows=13, settings=dict(max_steps=3, lr_scheduler_type="constant"))  # 4 windows; 3 of them trained
+
+
+# ---- where accelerate repeats examples -----------------------------------------------------------------------------
+class VaryingBatches:
+    """A batch sampler of varying batch sizes (as hfacc's token budget), without a batch_size attribute."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def __iter__(self):
+        for i, n in enumerate(self.sizes):
+            yield list(range(sum(self.sizes[:i]), sum(self.sizes[:i]) + n))
+
+    def __len__(self):
+        return len(self.sizes)
+
+
+def real_rows(make, world, num_examples):
+    """accelerate's own sharding: each rank's batches and, per batch, how many rows are real (in round-major order
+    the first ``num_examples`` rows are the epoch's; the rest are its repeats)."""
+    per_rank = [list(make(rank)) for rank in range(world)]
+    position, real = 0, [[] for _ in range(world)]
+    for step in range(max(len(b) for b in per_rank)):
+        for rank in range(world):
+            if step < len(per_rank[rank]):
+                batch = per_rank[rank][step]
+                real[rank].append(sum(position + i < num_examples for i in range(len(batch))))
+                position += len(batch)
+    return per_rank, real
+
+
+def test_the_layout_of_repeats_is_accelerates_own():
+    """get_epoch_layout (from sizes alone) against accelerate's BatchSamplerShard, over every small configuration."""
+    grid = itertools.product(range(1, 23), (1, 2, 3, 4), (1, 2, 3), (False, True), (False, True), (True, False))
+    for n, b, world, drop_last, split, even in grid:
+        if split and b % world:
+            continue
+
+        def make(rank, n=n, b=b, world=world, drop_last=drop_last, split=split, even=even):
+            inner = BatchSampler(SequentialSampler(range(n)), b, drop_last)
+            return BatchSamplerShard(inner, world, rank, split, even) if world > 1 else inner
+
+        batches, real = real_rows(make, world, n)
+        for rank in range(world):
+            accelerator = SimpleNamespace(
+                num_processes=world, process_index=rank, even_batches=even, split_batches=split
+            )
+            layout = get_epoch_layout(accelerator, num_examples=n, batch_size=b, drop_last=drop_last)
+            case = (n, b, world, drop_last, split, even, rank)
+            assert layout.micro_batches == len(make(rank)), case  # the length the Trainer sees
+            if not (split and not even):  # accelerate's own length and iteration disagree there
+                assert [layout.real_rows(i, len(x)) for i, x in enumerate(batches[rank])] == real[rank], case
+    for sizes, world, even in itertools.product(([3], [2, 1], [1, 4, 2], [2, 2, 2, 1, 3]), (1, 2, 3), (True, False)):
+
+        def make(rank, sizes=sizes, world=world, even=even):
+            return (
+                BatchSamplerShard(VaryingBatches(sizes), world, rank, False, even)
+                if world > 1
+                else VaryingBatches(sizes)
+            )
+
+        batches, real = real_rows(make, world, sum(sizes))
+        for rank in range(world):
+            accelerator = SimpleNamespace(
+                num_processes=world, process_index=rank, even_batches=even, split_batches=False
+            )
+            layout = get_epoch_layout(accelerator, num_batches=len(sizes))
+            assert [layout.real_rows(i, len(x)) for i, x in enumerate(batches[rank])] == real[rank], (sizes, world)
+
+
+# ---- exact from every checkpoint -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["map", "budget", "stream"])
+def test_one_process_resumes_exactly_from_every_checkpoint(tmp_path, case):
+    # One process has twice the windows per epoch of two: 5 steps still cross into the second epoch.
+    settings = {**check.CASES[case]["settings"], "max_steps": 5}
+    result = check.resume_every_checkpoint(tmp_path, case, {**check.CASES[case], "settings": settings})
+    assert len(result["errors"]) == result["steps"] >= 4
+    assert all(error <= TOL for error in result["errors"].values()), result["errors"]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One launch: the three cases on 2 ranks, then rank 1 killed in the middle of a save (which ends the launch)."""
+    out = tmp_path_factory.mktemp("resume2")
+    proc = subprocess.run(
+        torchrun("tests/resume_check.py", str(out), "map", "budget", "stream", "death"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert (out / "results.json").is_file(), proc.stderr[-4000:]
+    assert proc.returncode != 0  # the killed rank ends the launch
+    return out, json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["map", "budget", "stream"])
+def test_two_ranks_resume_exactly_from_every_checkpoint(two_ranks, case):
+    """Before: rel 1.3e-1 (map, from checkpoint-1) and 1.2e-1 (budget): the resumed epoch's repeats were trained."""
+    _, results = two_ranks
+    assert results["world_size"] == 2
+    result = results[case]
+    assert len(result["errors"]) == result["steps"] >= 4
+    assert all(error <= TOL for error in result["errors"].values()), result["errors"]
+    if case != "stream":  # the epoch's last global batch is partial: accelerate repeated examples, hfacc cut them
+        assert result["repeat_warnings"] > 0
+
+
+@pytest.mark.distributed
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(two_ranks):
+    out = two_ranks[0] / "death"
+    half = out / "checkpoint-2"
+    # The kill came after rank 0 wrote trainer_state.json (a stock checkpoint's last file), before rank 1's RNG state.
+    assert (half / "trainer_state.json").is_file() and not (half / "rng_state_1.pth").exists()
+    assert not (half / MARKER).exists()
+    assert resolve_checkpoint("last", out) == str(out / "checkpoint-1")
+    assert "cut short" in checkpoint_problem(half, stock_ok=False)
+    said = json.loads((out / "death.json").read_text())["said"] if (out / "death.json").is_file() else None
+    assert said is None or said.startswith("another process of this run is gone")  # if rank 0 lived to say it
+
+
+# ---- a kill at any point of a save ---------------------------------------------------------------------------------
+class Killed(Exception):
+    """The process died here (a kill -9 at this point leaves what was written before it)."""
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory):
+    """A run killed after checkpoint-2, and what the uninterrupted 3-step run ends with."""
+    root = tmp_path_factory.mktemp("kills")
+    trainer, model = check.make_trainer(root / "full", ONE_EPOCH)
+    trainer.train()
+    shutil.copytree(root / "full", root / "base")
+    shutil.rmtree(root / "base" / "checkpoint-3")
+    return root, check.weights(model)
+
+
+def dies(method, checkpoint: Path | None = None, half_of: str | None = None):
+    """``method`` that dies: before doing anything, or after writing, leaving only half of the file ``half_of``."""
+
+    def dying(*args, **kwargs):
+        if half_of is None:
+            raise Killed
+        method(*args, **kwargs)
+        data = (checkpoint / half_of).read_bytes()
+        (checkpoint / half_of).write_bytes(data[: len(data) // 2])
+        raise Killed
+
+    return dying
+
+
+def kill(point, trainer, checkpoint, monkeypatch):
+    """Make checkpoint-3's save die at ``point``."""
+    if point == "model weights half written":
+        trainer.save_model = dies(trainer.save_model, checkpoint, "model.safetensors")
+    elif point == "optimizer half written":
+        trainer._save_optimizer_and_scheduler = dies(trainer._save_optimizer_and_scheduler, checkpoint, "optimizer.pt")
+    elif point == "before the RNG state":
+        trainer._save_rng_state = dies(trainer._save_rng_state)
+    elif point == "after trainer_state.json, before the marker":
+        monkeypatch.setattr(checkpoints, "mark_checkpoint_complete", dies(None))
+    elif point == "marker written, not yet renamed":
+        replace = os.replace
+        monkeypatch.setattr(os, "replace", lambda a, b: dies(None)() if str(b).endswith(MARKER) else replace(a, b))
+    else:  # "after the marker, rotating"
+        monkeypatch.setattr(checkpoints, "rotate_checkpoints", dies(None))
+
+
+KILL_POINTS = [
+    "model weights half written",
+    "optimizer half written",
+    "before the RNG state",
+    "after trainer_state.json, before the marker",
+    "marker written, not yet renamed",
+    "after the marker, rotating",
+]
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_a_kill_at_any_point_of_a_save_never_makes_last_take_a_broken_checkpoint(
+    two_checkpoints, tmp_path, point, monkeypatch
+):
+    """Before: killed after trainer_state.json, the half-written checkpoint was taken for a stock one."""
+    root, full = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "base", out)
+    trainer, _ = check.make_trainer(out, ONE_EPOCH)
+    kill(point, trainer, out / "checkpoint-3", monkeypatch)
+    with pytest.raises(Killed):
+        trainer.train(resume_from_checkpoint="last")  # from checkpoint-2: step 3 and its save, killed
+    monkeypatch.undo()
+    if point == "after the marker, rotating":  # checkpoint-3 was complete: it is the one to take
+        assert resolve_checkpoint("last", out) == str(out / "checkpoint-3")
+        return
+    assert checkpoint_problem(out / "checkpoint-3", stock_ok=False) is not None
+    assert resolve_checkpoint("last", out) == str(out / "checkpoint-2")
+    trainer, model = check.make_trainer(out, ONE_EPOCH)  # relaunched: resumes from checkpoint-2, exactly
+    trainer.train(resume_from_checkpoint="last")
+    assert check.relative_error(check.weights(model), full) <= TOL
+
+
+CORRUPTIONS = {
+    "flipped byte in model.safetensors": ("model.safetensors", "flip"),
+    "flipped byte in optimizer.pt": ("optimizer.pt", "flip"),
+    "edited trainer_state.json": ("trainer_state.json", "edit"),
+    "marker not JSON": (MARKER, "garble"),
+    "marker without files": (MARKER, "no files"),
+    "rng state missing": ("rng_state.pth", "delete"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_a_damaged_checkpoint_is_skipped_with_a_warning_naming_it(two_checkpoints, tmp_path, corruption, caplog):
+    """Before: flipped bytes of the same size trained on (weights 6.7e27), a mangled marker raised inside hfacc."""
+    root, _ = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "full", out)
+    name, how = CORRUPTIONS[corruption]
+    path = out / "checkpoint-3" / name
+    data = path.read_bytes()
+    if how == "flip":
+        path.write_bytes(data[:-200] + bytes([data[-200] ^ 0xFF]) + data[-199:])
+    elif how == "edit":
+        path.write_bytes(data.replace(b'"global_step": 3', b'"global_step": 9'))
+    elif how == "garble":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "no files":
+        path.write_text(json.dumps({"format": 2}))
+    else:
+        path.unlink()
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        assert resolve_checkpoint("last", out) == str(out / "checkpoint-2")
+    said = next(r.getMessage() for r in caplog.records if "skipping" in r.getMessage())
+    assert f"checkpoint-3: {name if how != 'garble' and how != 'no files' else 'its ' + MARKER}" in said, said
+    with pytest.raises(ConfigError, match="Cannot resume from .*checkpoint-3.*newest complete one is .*checkpoint-2"):
+        resolve_checkpoint(str(out / "checkpoint-3"), out)
+
+
+def test_hashes_are_taken_while_writing_not_read_back(tmp_path, monkeypatch):
+    """torch.save and safetensors files get their sha256 from the bytes written; only small files are read back."""
+    model = check.build_tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, num_heads=2)
+    with hashing_writes() as digests:
+        model.save_pretrained(tmp_path)
+        torch.save({"state": [torch.randn(50, 50)]}, tmp_path / "optimizer.pt")
+    for name in ("model.safetensors", "optimizer.pt"):
+        assert digests[str(tmp_path / name)] == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest(), name
+    read_back = []
+    hash_file = checkpoints.hash_file
+    monkeypatch.setattr(checkpoints, "hash_file", lambda p: read_back.append(p.name) or hash_file(p))
+    checkpoints.mark_checkpoint_complete(tmp_path, relative_digests(digests, tmp_path))
+    assert read_back == ["config.json", "generation_config.json"]  # the small files nobody hashed while writing
+    marker = json.loads((tmp_path / MARKER).read_text())
+    assert marker["files"]["optimizer.pt"]["sha256"] == digests[str(tmp_path / "optimizer.pt")]
+    assert torch.save is not None and torch.save.__module__ == "torch.serialization"  # swapped back
+
+
+# ---- resumes that went silently wrong -----------------------------------------------------------------------------
+def test_resuming_a_finished_run_trains_nothing_and_says_so(two_checkpoints, tmp_path, caplog):
+    """Before: step 4/3 on every such resume (stock transformers 5.24), weights moved."""
+    root, full = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "full", out)
+    trainer, model = check.make_trainer(out, ONE_EPOCH)
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        result = trainer.train(resume_from_checkpoint="last")
+    assert trainer.state.global_step == 3 and "the run is finished, nothing was trained" in caplog.text
+    assert check.relative_error(check.weights(model), full) == 0.0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert result.training_loss != result.training_loss  # NaN: nothing was trained, and no loss is logged
+    assert "train_loss" not in trainer.state.log_history[-1]
+
+
+def test_another_runs_checkpoints_are_refused_or_skipped_never_continued(two_checkpoints, tmp_path, caplog):
+    """Before: a new run (other learning rate) killed and resumed with `last` continued the old run's checkpoint-20."""
+    root, _ = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "full", out)
+    other = dict(rows=13, settings=dict(max_steps=3, lr_scheduler_type="constant", learning_rate=1e-3, seed=1))
+    trainer, _ = check.make_trainer(out, other)
+    with pytest.raises(ConfigError, match=r"holds checkpoints of another run .*learning_rate 0.02 there, 0.001 here"):
+        trainer.train()
+    # The other run's old checkpoint-20 next to this run's checkpoint-2: `last` takes this run's, and says why.
+    shutil.copytree(out / "checkpoint-3", out / "checkpoint-20")
+    marker = json.loads((out / "checkpoint-20" / MARKER).read_text())
+    marker["run"].update(learning_rate=1e-3, seed=1)
+    (out / "checkpoint-20" / MARKER).write_text(json.dumps(marker))
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        assert resolve_checkpoint("last", out, marker["run"]) == str(out / "checkpoint-20")
+        run = json.loads((out / "checkpoint-2" / MARKER).read_text())["run"]
+        assert resolve_checkpoint("last", out, run) == str(out / "checkpoint-3")
+    assert (
+        "checkpoint-20: it was saved by another run (learning_rate 0.001 there, 0.02 here; seed 1 there, 0 here)"
+        in caplog.text
+    )
+    # overwrite_output_dir: the other run's checkpoints are deleted, and it is said.
+    trainer, _ = check.make_trainer(out, {**other, "settings": {**other["settings"], "overwrite_output_dir": True}})
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        trainer.train()
+    assert "deleted the 4 checkpoint(s)" in caplog.text
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+
+
+def test_a_streaming_checkpoint_is_refused_to_a_map_style_run_and_the_reverse(two_checkpoints, tmp_path):
+    """Before: a streaming checkpoint resumed without --streaming trained on map-style (exit 0, rel 7.7e-3)."""
+    root, _ = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "full", out)
+    checkpoint = out / "checkpoint-2"
+    marker = json.loads((checkpoint / MARKER).read_text())
+    marker["run"]["streaming"] = True
+    (checkpoint / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(ConfigError, match=r"saved by a streaming run \(--streaming true\); resume it the same way"):
+        resolve_checkpoint(str(checkpoint), out, {**marker["run"], "streaming": False})
+    (checkpoint / "stream_state_rank0.json").write_text("{}")  # what a streaming run saves, whatever the marker says
+    marker["run"]["streaming"] = False
+    (checkpoint / MARKER).write_text(json.dumps(marker))
+    trainer, _ = check.make_trainer(out, ONE_EPOCH)
+    with pytest.raises(ConfigError, match="saved by a streaming run .*resume it with --streaming true"):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    shutil.rmtree(out / "checkpoint-3")
+    stream = dict(rows=21, stream=True, settings=dict(max_steps=3, overwrite_output_dir=True))
+    trainer, _ = check.make_trainer(out / "stream", stream)
+    with pytest.raises(ConfigError, match="saved by a map-style run"):
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+
+
+def test_a_checkpoint_of_another_model_size_is_refused_before_loading(two_checkpoints, tmp_path):
+    """Before: a size-mismatch traceback (other hidden size), or layers left at random with a log line."""
+    root, _ = two_checkpoints
+    trainer, _ = check.make_trainer(tmp_path, ONE_EPOCH)
+    trainer.model = check.build_tiny_llama(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2)
+    with pytest.raises(ConfigError, match=r"its weights are another model's: .*lacks 9 weight\(s\) of this model"):
+        trainer.train(resume_from_checkpoint=str(root / "full" / "checkpoint-2"))
+
+
+def test_a_stock_checkpoint_counts_only_where_no_hfacc_run_wrote(two_checkpoints, tmp_path):
+    """Before: any checkpoint with trainer_state.json and no marker was a stock one, also a half-written hfacc one."""
+    root, _ = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "full", out)
+    (out / "checkpoint-3" / MARKER).unlink()  # cut short after trainer_state.json
+    assert resolve_checkpoint("last", out) == str(out / "checkpoint-2")
+    for path in out.glob(f"checkpoint-*/{MARKER}"):
+        path.unlink()
+    (out / RUN_RECORD).unlink()  # now: a stock Trainer's output dir
+    assert resolve_checkpoint("last", out) == str(out / "checkpoint-3")
+    (out / "checkpoint-3" / "trainer_state.json").write_text("{broken")
+    assert resolve_checkpoint("last", out) == str(out / "checkpoint-2")
+    with pytest.raises(ConfigError, match="trainer_state.json is not valid JSON"):
+        resolve_checkpoint(str(out / "checkpoint-3"), out)
+    with pytest.raises(ConfigError, match="it is an output directory, not a checkpoint: name one of its"):
+        resolve_checkpoint(str(out), out)
+
+
+def test_the_skipped_step_count_goes_on_after_a_resume(tmp_path):
+    """Before: max_skipped_steps counted from 0 again after every resume."""
+    out = tmp_path / "run"
+    case = dict(rows=13, settings=dict(max_steps=3, lr_scheduler_type="constant", max_skipped_steps=3))
+    trainer, _ = check.make_trainer(out, case)
+    trainer.train()
+    marker = json.loads((out / "checkpoint-2" / MARKER).read_text())
+    assert marker["hfacc"] == {"skipped_steps": 0, "empty_windows": 0}
+    marker["hfacc"]["skipped_steps"] = 2  # as if two steps of the first two had been skipped
+    (out / "checkpoint-2" / MARKER).write_text(json.dumps(marker))
+    shutil.rmtree(out / "checkpoint-3")
+    trainer, _ = check.make_trainer(out, case)
+    trainer.train(resume_from_checkpoint="last")
+    assert trainer.state.log_history[-1]["train_skipped_steps"] == 2
+    assert json.loads((out / "checkpoint-3" / MARKER).read_text())["hfacc"]["skipped_steps"] == 2
+
+
+def test_a_full_disk_while_saving_is_one_message_and_keeps_the_last_checkpoint(tmp_path):
+    """Before: torch's "unexpected pos ..." traceback, no word of the disk. /dev/full answers every write ENOSPC."""
+    out = tmp_path / "run"
+    trainer, _ = check.make_trainer(out, ONE_EPOCH)
+    (out / "checkpoint-2").mkdir(parents=True)
+    os.symlink("/dev/full", out / "checkpoint-2" / "optimizer.pt")
+    with pytest.raises(ConfigError) as err:
+        trainer.train()
+    assert describe_user_error(err.value).startswith("no space left on the device while writing")
+    assert "--resume_from_checkpoint last resumes from it" in str(err.value)
+    assert get_last_complete_checkpoint(out) == str(out / "checkpoint-1")
