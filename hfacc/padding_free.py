@@ -31,9 +31,8 @@ from torch import nn
 
 from .batching import best_fit_decreasing, get_tolerance, position_ids_problem
 from .distributed import all_ranks_agree
-from .fused_loss import swap_output_head
+from .fused_loss import fused_loss_problem, swap_output_head
 from .loss import IGNORE_INDEX, shift_labels
-from .loss_path import fused_loss_problem
 from .model_io import get_aux_loss, get_base_model, get_logits, model_inputs
 from .multimodal import (
     IMAGE_INPUT_KEYS,
