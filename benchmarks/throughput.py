@@ -16,6 +16,11 @@ TRL's dataset preparation is left out and reported apart), rounds alternate the 
 - hfacc_padded:   TokenWeightedTrainer with padding_free=False: the defaults before padding-free (fused loss).
 - hfacc:          TokenWeightedTrainer, defaults: fused loss and padding-free micro-batches.
 - hfacc_budget:   hfacc defaults plus micro-batches of at most 8 x 512 padded tokens (sorted by length).
+- hfacc_baseline: with --baseline DIR, the hfacc defaults of another checkout (e.g. main's, before a change),
+                  imported as a second package and interleaved with the others (no memory measurement).
+
+On a machine shared with other jobs, --clock cpu times each epoch in this process's CPU time (one torch thread:
+the compute), steadier than the wall time the table otherwise reports.
 
 Throughput is target tokens (labels != -100 after the shift) per second of the timed epoch; "start-up" is how
 much longer the first epoch took than the second. Memory is measured with the PyTorch profiler's allocation events (CPU) or
@@ -25,6 +30,8 @@ the relative gradient difference between hfacc's padded and padding-free micro-b
 """
 
 import argparse
+import importlib
+import os
 import sys
 import tempfile
 import time
@@ -120,6 +127,22 @@ RUNNERS = {
 }
 
 
+def add_baseline(checkout):
+    """The contender hfacc_baseline: the hfacc package of another checkout, imported under that name."""
+    folder = tempfile.mkdtemp()
+    os.symlink(Path(checkout).resolve() / "hfacc", Path(folder) / "hfacc_baseline")
+    sys.path.insert(0, folder)
+    baseline = importlib.import_module("hfacc_baseline")
+
+    def run(model, examples, tmp, device, dtype):
+        args = baseline.TokenWeightedArguments(**common_args(tmp, device, dtype))
+        return baseline.TokenWeightedTrainer(
+            model=model, args=args, train_dataset=Dataset.from_list(examples), data_collator=user_collator()
+        )
+
+    RUNNERS["hfacc_baseline"] = run
+
+
 def new_model(cli):
     model = build_bench_model(cli.vocab, cli.hidden, cli.layers)
     model.config._attn_implementation = cli.attention
@@ -127,15 +150,15 @@ def new_model(cli):
 
 
 class EpochTimer(TrainerCallback):
-    """Wall time of every epoch (on CUDA, after the device has finished its work)."""
+    """Wall time (or this process's CPU time) of every epoch (on CUDA, after the device has finished its work)."""
 
-    def __init__(self, device):
-        self.device, self.times, self._start = device, [], None
+    def __init__(self, device, clock="wall"):
+        self.device, self.clock, self.times, self._start = device, clock, [], None
 
     def _now(self):
         if self.device == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter()
+        return time.process_time() if self.clock == "cpu" else time.perf_counter()
 
     def on_epoch_begin(self, args, state, control, **kwargs):
         self._start = self._now()
@@ -147,7 +170,7 @@ class EpochTimer(TrainerCallback):
 def train_epochs(kind, cli, examples, targets):
     """(target tokens/s of the last epoch, seconds the first epoch took longer than the last)."""
     model = new_model(cli)
-    timer = EpochTimer(cli.device)
+    timer = EpochTimer(cli.device, cli.clock)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = RUNNERS[kind](model, examples, tmp, cli.device, cli.dtype)
         trainer.add_callback(timer)
@@ -269,6 +292,8 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--baseline", default="", help="a checkout of hfacc: adds the contender hfacc_baseline")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="cpu: time epochs in CPU time")
     cli = parser.parse_args()
     if cli.threads:
         torch.set_num_threads(cli.threads)
@@ -280,6 +305,9 @@ def main():
     examples = build_bench_examples(cli.examples, vocab_size=cli.vocab, lengths=(MIN_LEN, MAX_LEN))
     targets = count_targets(examples)
     kinds = cli.contenders.split(",")
+    if cli.baseline:
+        add_baseline(cli.baseline)
+        kinds += [] if "hfacc_baseline" in kinds else ["hfacc_baseline"]
     padded = sum(
         len(examples[i : i + BS]) * max(len(e["input_ids"]) for e in examples[i : i + BS])
         for i in range(0, len(examples), BS)
@@ -312,6 +340,11 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     ref_loss, ref_step = memory[("loss step", "stock")] / 2**20, memory[("whole step", "stock")] / 2**20
     for kind in kinds:
+        if ("whole step", kind) not in memory:  # the baseline checkout: speed only
+            print(
+                f"| {kind} | {median(speed[kind]):.0f} | {paired[kind]:.2f}x | {median(startup[kind]):.1f} | | | | |"
+            )
+            continue
         loss_key = ("loss step", kind.split("_")[0])
         loss_mem = memory[loss_key] / 2**20
         step_mem = memory[("whole step", kind)] / 2**20

@@ -49,10 +49,11 @@ class TokenWeightedArguments(TrainingArguments):
     padding_free: bool = field(
         default=True,
         metadata={
-            "help": "Causal LMs: lay the real tokens of every micro-batch end to end in one row with position_ids "
+            "help": "Causal LMs: lay the real tokens of every micro-batch end to end in rows with position_ids "
             "that restart per sequence, so no layer computes on padding, whatever collator padded it (right or "
-            "left). Same sequences, targets and normalization: exact. Checked once per model; models whose "
-            "attention cannot keep packed sequences apart fall back to padded batches (said once). False: off."
+            "left). Same sequences, targets and normalization: exact. Checked once per model, forward and backward "
+            "(loss, router loss, gradient, leaks, long rows); a model that does not compute packed sequences as it "
+            "does padded ones gets the other layout or padded batches (said at WARNING). False: off."
         },
     )
     loss_chunk_size: int = field(

@@ -20,7 +20,8 @@ class DataCollatorForCausalLM:
 
     Args:
         pad_token_id: id written into ``input_ids`` at padding positions (the labels there are always -100, so
-            it may equal EOS without hiding the EOS targets of the examples).
+            it may equal EOS without hiding the EOS targets of the examples). Packed rows are padded with a real
+            token of the row instead (see below).
         pad_to_multiple_of: round the padded length up to a multiple of this (tensor cores like multiples of 8).
         max_length: truncate longer examples to this many tokens (``None``: no truncation here).
 
@@ -28,7 +29,7 @@ class DataCollatorForCausalLM:
     Packed rows (examples with ``position_ids``, or with TRL's ``seq_lengths``: the length of each sequence in the
     row) get ``position_ids`` that restart per sequence and no ``attention_mask``: see
     :func:`hfacc.batching.pack_examples`. Their targets never cross a sequence boundary
-    (:func:`hfacc.loss.shift_labels`).
+    (:func:`hfacc.loss.shift_labels`). Their padding is one more sequence, of the row's first token repeated.
 
     >>> collate = DataCollatorForCausalLM(pad_token_id=0)
     >>> batch = collate([{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9]}])
@@ -76,8 +77,14 @@ class DataCollatorForCausalLM:
         if all(e.get("position_ids") is not None for e in examples):
             # Packed rows (hfacc.batching.pack_examples): transformers keeps the sequences of a row apart only when
             # it gets position_ids and no attention_mask. The padding becomes one more sequence of its own
-            # (positions 0, 1, ...), attended by nothing else and carrying no targets.
+            # (positions 0, 1, ...), attended by nothing else and carrying no targets, made of the row's first token,
+            # not the pad token: a pad embedding may be zero (padding_idx), which some models cannot
+            # backpropagate through on its own (Gemma3n: NaN), and a pad id at a row's end without attention_mask
+            # makes transformers warn that the input "may be padded".
             del batch["attention_mask"]
+            for row, x in enumerate(ids):
+                if x:
+                    batch["input_ids"][row, len(x) :] = x[0]
             batch["position_ids"] = torch.stack(
                 [
                     torch.tensor(list(e["position_ids"])[: self.max_length] + list(range(length - len(x))))

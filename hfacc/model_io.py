@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 # Batch keys that describe targets or hfacc's bookkeeping, never model inputs. `sequence_ids` / `num_sequences`: which
-# of the batch's sequences each position belongs to (-1: none), where a layout put several in a row (padding-free).
-NON_MODEL_KEYS = ("labels", "shift_labels", "sequence_ids", "num_sequences")
+# of the batch's sequences each position belongs to (-1: none), where a layout put several in a row (padding-free);
+# `padded_index`: where each position's token was in the padded batch.
+NON_MODEL_KEYS = ("labels", "shift_labels", "sequence_ids", "num_sequences", "padded_index")
 
 
 def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:

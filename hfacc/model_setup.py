@@ -42,6 +42,8 @@ class ModelSetup:
         padding_free: whether micro-batches are laid out without their padding (:mod:`hfacc.padding_free`).
         one_row: with ``padding_free``, one row for variable-length attention kernels, else rows as wide as the
             longest sequence.
+        max_row_length: with ``padding_free``, the longest row the check verified (0: no bound; see
+            :func:`hfacc.padding_free.remove_padding`).
         loss_path: ``"fused"`` or ``"plain"`` (full logits).
         loss_path_problem: why not fused, where the fused loss was wanted.
     """
@@ -49,6 +51,7 @@ class ModelSetup:
     objective: Objective
     padding_free: bool = False
     one_row: bool = True
+    max_row_length: int = 0
     loss_path: str = "plain"
     loss_path_problem: str | None = None
 
@@ -86,7 +89,10 @@ def build_model_setup(
         # micro-batches: the user's function shifts the labels itself, across any packed boundary.
         setup.objective = LossFunctionObjective(compute_loss_func, counter=objective)
     elif padding_free and objective.supports_padding_free:
-        setup.padding_free, setup.one_row = choose_padding_free(objective, model, batch, accelerator)
+        budget = getattr(args, "max_tokens_per_batch", 0) or 0  # the longest one row training may lay out
+        setup.padding_free, setup.one_row, setup.max_row_length = choose_padding_free(
+            objective, model, batch, accelerator, max_tokens_per_batch=budget
+        )
     objective = setup.objective
     if objective.supports_fused:
         problem = choose_loss_path(

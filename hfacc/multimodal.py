@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from .loss import get_sequence_starts
-from .model_io import get_base_model, get_logits
+from .model_io import get_base_model, get_logits, model_inputs
 
 # The dataset column of image references (bytes or paths, datasets.Image(decode=False)) the vision collator reads.
 IMAGE_COLUMN = "images"
@@ -184,8 +184,7 @@ def check_image_layout(
         return "the batch with its images cannot be laid out without padding"
     if tolerance is None:
         tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2
-    keep = {k: v for k, v in padded.items() if k not in ("labels", "shift_labels", "sequence_ids", "num_sequences")}
-    inputs = {k: v for k, v in laid.items() if k not in ("labels", "shift_labels", "sequence_ids", "num_sequences")}
+    keep, inputs = model_inputs(padded), model_inputs(laid)
     was_training = model.training
     model.eval()
     try:

@@ -1,32 +1,39 @@
-"""Padding-free micro-batches: the real tokens of a padded batch as one row of packed sequences, same update.
+"""Padding-free micro-batches: the real tokens of a padded batch as rows of packed sequences, same update.
 
 A padded ``[B, T]`` micro-batch spends every layer's compute on its padding (43 % of the positions on the benchmark
-in benchmarks/README.md). :func:`remove_padding` lays the same sequences end to end in one ``[1, sum(len)]`` row
-with ``position_ids`` that restart at 0 for each sequence. transformers (5.x) keeps such sequences apart by itself
-when it gets ``position_ids``, no ``attention_mask`` and no cache (``masking_utils.find_packed_sequence_indices``):
-sdpa, eager and flex attention build a block-diagonal causal mask, flash attention uses its variable-length kernels
+in benchmarks/README.md). :func:`remove_padding` lays the same sequences end to end in rows, with ``position_ids``
+that restart at 0 for each sequence. transformers (5.x) keeps such sequences apart by itself when it gets
+``position_ids``, no ``attention_mask`` and no cache (``masking_utils.find_packed_sequence_indices``): sdpa, eager
+and flex attention build a block-diagonal causal mask, flash attention uses its variable-length kernels
 (``cu_seq_lens`` from the restarts, for one row). The targets are the same (:func:`hfacc.loss.shift_labels`: the
 shift never crosses a sequence boundary, padding is never a target), so the loss sums, the counts and the gradient
 are those of the padded batch, to fp32 rounding. Nothing about the update changes: not the sequences of a
 micro-batch, not the targets, not the normalization.
 
-:func:`check_padding_free` runs once per model: a model whose attention does not keep packed sequences apart, that
-takes no ``position_ids`` or reads positions differently falls back to the padded path.
+That holds only for a model that computes each packed sequence as it computes it alone, which a model can break in
+ways no signature shows: a convolution or state-space layer that runs across the boundaries (LFM2, Jamba), a
+router loss that counts the filler of a row (Mixtral, Qwen-MoE, ...), a filler that makes the backward NaN
+(Gemma3n), attention that reads the row index instead of ``position_ids`` (Llama 4 past 8192 tokens). So
+:func:`choose_padding_free` decides once per model, by running it (:func:`check_padding_free`,
+:func:`check_row_offsets`), which layout is exact, and falls back to the padded batch, said at WARNING, when none is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .batching import best_fit_decreasing, position_ids_problem
+from .batching import best_fit_decreasing, get_tolerance, position_ids_problem
 from .distributed import all_ranks_agree
-from .loss import IGNORE_INDEX
-from .model_io import get_base_model, get_logits
+from .fused_loss import fused_loss_problem, swap_output_head
+from .loss import IGNORE_INDEX, shift_labels
+from .model_io import get_aux_loss, get_base_model, get_logits, model_inputs
 from .multimodal import (
     IMAGE_INPUT_KEYS,
     check_image_layout,
@@ -39,9 +46,11 @@ from .objectives import Objective
 
 logger = logging.getLogger(__name__)
 
+CHECK_TOKENS = 64  # tokens of the check's three sequences (check_padding_free): small work, the same on every rank
+
 
 def remove_padding(
-    batch: Mapping[str, Any], one_row: bool = True, keep: Collection[str] = ()
+    batch: Mapping[str, Any], one_row: bool = True, max_row_length: int = 0, keep: Collection[str] = ()
 ) -> dict[str, Any] | None:
     """The real tokens of a padded batch laid end to end; None when the batch cannot be laid out so.
 
@@ -51,12 +60,21 @@ def remove_padding(
     flex), whose cost grows with the sum of the squared sequence lengths. Otherwise the sequences are packed
     best-fit decreasing into rows as wide as the longest one: attention that masks a dense ``[rows, W, W]`` block
     (sdpa, eager) then computes less than on one ``[N, N]`` row, and the little room left at the end of a row is
-    filled by one more sequence of its own (position 0, 1, ..., no target), which nothing else attends to.
+    filled by one more sequence of its own (position 0, 1, ..., no target), which nothing else attends to. The filler
+    repeats the batch's first token (a real one, and text: never an image placeholder), never padding: a pad
+    token's embedding may be zero (``padding_idx``), which some models cannot backpropagate through (Gemma3n: NaN),
+    and a pad id at the end of a row without ``attention_mask`` makes transformers warn that the input "may be
+    padded".
+
+    ``max_row_length`` (0: none) is the longest row :func:`check_row_offsets` verified: no sequence is laid past it,
+    except a row's first sequence, which starts at 0 as it does padded. Packed rows then hold at most that many
+    tokens (a longer sequence gets a row of its own); one row is refused (None) when it would be longer.
 
     The mask is dropped and ``position_ids`` restart at 0 for each sequence. The labels stay unshifted:
     :func:`hfacc.loss.shift_labels` finds the sequence boundaries from the restarts and gives the same targets as on
     the padded batch. ``sequence_ids`` (the original row of each position, -1 in the filler) and ``num_sequences``
-    (B) keep per-sequence sums per original row, in order.
+    (B) keep per-sequence sums per original row, in order; ``padded_index`` is the flat index in the padded batch
+    of the token each position holds (the filler's: the token it repeats).
 
     None (keep the padded batch) when there is no 2-D ``attention_mask``, a row's real tokens are not one run
     (holes in the mask) or a row is empty, the batch has its own ``position_ids`` that do not count from each
@@ -91,13 +109,19 @@ def remove_padding(
     if any(runs != 1 for runs in stats[1]) or (given is not None and any(stats[3])):
         return None
     if one_row:
+        if max_row_length and len(lengths) > 1 and sum(lengths) > max_row_length:
+            return None
         rows, width = [list(range(shape[0]))], sum(lengths)
     else:
         width = max(lengths)
+        capacity = min(width, max_row_length) if max_row_length else width
         # With images, in order (hfacc.multimodal): image features are matched to image tokens by their order.
-        rows = get_ordered_rows(lengths, width) if get_image_inputs(batch) else best_fit_decreasing(lengths, width)
-    # For every output position: the flat index of its token in the padded batch (-1: filler), its position in its
-    # sequence, and its original row (-1: filler).
+        rows = (
+            get_ordered_rows(lengths, capacity) if get_image_inputs(batch) else best_fit_decreasing(lengths, capacity)
+        )
+    filler_source = first[0]  # the flat index of the token the filler repeats: the batch's first (a text token)
+    # For every output position: the flat index of its token in the padded batch, its position in its sequence, and
+    # its original row (-1: filler).
     index, positions, owner = [], [], []
     for members in rows:
         used = 0
@@ -107,13 +131,13 @@ def remove_padding(
             positions.append(torch.arange(n))
             owner.append(torch.full((n,), b))
             used += n
-        index.append(torch.full((width - used,), -1))
+        index.append(torch.full((width - used,), filler_source))
         positions.append(torch.arange(width - used))
         owner.append(torch.full((width - used,), -1))
     device = mask.device
     index = torch.cat(index).to(device)
-    filler = index < 0
-    gather = index.clamp(min=0)
+    owner = torch.cat(owner).to(device)
+    filler = owner < 0
     out: dict[str, Any] = {}
     for key, value in batch.items():
         if key in ("attention_mask", "position_ids") or value is None:
@@ -123,15 +147,16 @@ def remove_padding(
             # of their tokens
             out[key] = value
         elif value.dim() >= 2 and tuple(value.shape[:2]) == shape:
-            laid = value.flatten(0, 1).index_select(0, gather)
-            fill = IGNORE_INDEX if key in ("labels", "shift_labels") else 0
-            laid[filler] = fill
+            laid = value.flatten(0, 1).index_select(0, index)
+            if key in ("labels", "shift_labels"):
+                laid[filler] = IGNORE_INDEX
             out[key] = laid.view(len(rows), width, *value.shape[2:])
         else:
             return None
     out["position_ids"] = torch.cat(positions).to(device).view(len(rows), width)
-    out["sequence_ids"] = torch.cat(owner).to(device).view(len(rows), width)
+    out["sequence_ids"] = owner.view(len(rows), width)
     out["num_sequences"] = shape[0]
+    out["padded_index"] = index.view(len(rows), width)
     return out
 
 
@@ -159,32 +184,290 @@ def padding_free_problem(model: nn.Module, objective: Objective) -> str | None:
     return position_ids_problem(base)
 
 
-@torch.no_grad()
 def check_padding_free(
     model: nn.Module,
     batch: Mapping[str, Any],
     one_row: bool | None = None,
     tolerance: float | None = None,
-    max_tokens: int = 64,
+    max_tokens: int = CHECK_TOKENS,
 ) -> str | None:
-    """Run a few sequences padded and padding-free; None if every real position's logits match, else why not.
+    """Run a few sequences padded and padding-free, forward and backward; None if the layout is exact, else why not.
 
     The sequences are the first real tokens of ``batch``, cut to three of different lengths (at most
-    ``max_tokens`` in all) and padded on the side ``batch`` is padded, then laid out as training will
-    (``one_row``, by default from :func:`uses_one_row`): the same small forward on every rank whatever its data, so
-    sharded models (FSDP, DeepSpeed) run it in step. A leak between packed sequences or a
-    model that reads positions differently without padding shows as a mismatch. The comparison is relative to the
-    largest logit; the tolerance is 1e-4 for fp32 weights, 3e-2 for half precision.
+    ``max_tokens`` in all) and padded on the side ``batch`` is padded, then laid out as training will (``one_row``,
+    by default from :func:`uses_one_row`; packed rows hold two of them and a filler): the same small work on every
+    rank whatever its data, so sharded models (FSDP, DeepSpeed) run it in step. Compared, relative to the padded
+    run, within :func:`get_tolerance` (1e-6 in fp32):
+
+    - what the loss sees: the logits and cross-entropy of every real position and the model's auxiliary (router)
+      loss, which a filler counted by the router moves;
+    - the gradient of that loss with respect to the input embeddings at every real position, which must be finite;
+      at the filler it must be exactly 0 (the filler must be inert, in any precision). It is taken with
+      ``torch.autograd.grad`` from the embeddings' output, so no parameter's ``.grad`` is touched and no engine's
+      gradient hook runs; it goes through every layer's backward (a NaN from the filler, a leak in the backward).
+      A model without ``get_input_embeddings`` is compared forward only;
+    - leaks: the first sequence of each row with several is changed (other tokens) and the row run again: the
+      logits of the others must not move beyond rounding (1 eps relative; bit for bit on a model that keeps them
+      apart, unless it regroups tokens, as a mixture of experts does).
+
+    The model runs in eval mode (dropout would make any two runs differ). The rows here are short; where training
+    lays sequences far into a row, :func:`check_row_offsets` checks those offsets.
     """
     problem = position_ids_problem(get_base_model(model))
     if problem:
         return problem
+    one_row = uses_one_row(model) if one_row is None else one_row
+    tolerance = get_tolerance(next(model.parameters()).dtype) if tolerance is None else tolerance
+    lengths = [max(2, max_tokens // 6), max(2, max_tokens // 3), max(2, max_tokens // 2)]
+    padded = _check_batch(batch, lengths, left=_is_left_padded(batch))
+    row = remove_padding(padded, one_row)
+    owner = row["sequence_ids"]
+    # The leak test: in each row holding several sequences, the first is changed and the others are watched.
+    changed = (owner == owner[:, :1]) & (owner >= 0)
+    watched = (owner >= 0) & ~changed
+    changed &= watched.any(-1, keepdim=True)
+    other = row["input_ids"].clone()
+    other[changed] = (other[changed] + 1) % _vocab_size(model, other)
+    was_training = model.training
+    model.eval()
+    try:
+        reference = _run_check(model, padded, with_grad=True)
+        laid = _run_check(model, row, with_grad=True)
+        moved = _run_check(model, {**row, "input_ids": other}, with_grad=False)
+    except Exception as err:  # a model whose forward does something unexpected with position_ids
+        return f"the padding-free forward failed ({type(err).__name__}: {err})"
+    finally:
+        model.train(was_training)
+    if laid.logits.shape[:2] != owner.shape:
+        return f"the padding-free forward returned logits of shape {tuple(laid.logits.shape)}"
+    # Each real position of the padded batch and where it lies in the layout (sorted by its index in the padded batch).
+    mask, real = padded["attention_mask"].bool(), owner >= 0
+    order = torch.argsort(torch.where(real, row["padded_index"], mask.numel()).flatten())[: int(real.sum())]
+
+    def unpadded(values):  # [rows, width, ...] of the layout -> [real positions, ...] in the padded order
+        return values.flatten(0, 1)[order]
+
+    # (what, relative difference, bound): what the loss sees and its gradient within the promise; a leak to rounding
+    # (bit for bit where nothing regroups the tokens); the filler's gradient exactly 0, in any precision.
+    checks = [
+        ("its logits", _relative(unpadded(laid.logits), reference.logits[mask]), tolerance),
+        ("the loss", _relative(unpadded(laid.losses), reference.losses[mask]), tolerance),
+        ("its auxiliary (router) loss", _relative(laid.aux, reference.aux), tolerance),
+    ]
+    if reference.grad is not None and laid.grad is not None:
+        expected = reference.grad[mask]  # at the real positions (a zero pad embedding may give NaN at padding)
+        if not torch.isfinite(laid.grad).all():
+            padded_too = "" if torch.isfinite(expected).all() else " (nor padded: the data itself gives one)"
+            return f"its gradient is not finite{padded_too}"
+        checks.append(("its gradient", _relative(unpadded(laid.grad), expected), tolerance))
+        filler = laid.grad[~real].double()
+        if filler.numel():  # nothing reads the filler: no gradient reaches it unless something counts it
+            inert = (filler.norm() / expected.double().norm().clamp(min=1e-30)).item()
+            checks.append(("the gradient that reaches the filler", inert, 0.0))
+    leak = _relative(moved.logits[watched], laid.logits[watched])
+    checks.append(("a sequence's logits when the one before it in its row changes (a leak)", leak, tolerance / 8))
+    wrong = [
+        f"{what} by {d:.1e} relative ({f'bound {bound:.0e}' if bound else 'it must be 0'})"
+        for what, d, bound in checks
+        if not d <= bound
+    ]
+    if wrong:
+        return "not what the padded run computes: " + "; ".join(wrong)
+    return None
+
+
+@torch.no_grad()
+def check_row_offsets(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    row_length: int,
+    tolerance: float | None = None,
+    tiles: int = 4,
+) -> tuple[int, str | None]:
+    """``(length, why)``: how far into a row a sequence may be laid and still compute as it does padded.
+
+    A model may read the row index where it should read ``position_ids`` (Llama 4's NoPE layers scale attention by
+    the row index once it passes ``floor_scale``, 8192; its chunked attention cuts at multiples of 8192 of the row):
+    a sequence laid far into a packed row then differs, by nothing at the offsets of a short check. So one row of
+    ``row_length`` tokens (the longest row training will lay out) is tiled with ``tiles`` sequences of the batch's
+    tokens and run, forward only, against the same sequences padded (each from 0): the final hidden states of each
+    tile must match within :func:`get_tolerance` (relative L2). The length verified is where the first tile that
+    differs starts (``row_length`` if none does, with ``why`` None); rows of that length are then exact
+    (:func:`remove_padding`'s ``max_row_length``). The work is one forward of ``row_length`` tokens and one of the
+    same tokens padded, less than a training step's; where the output projection is a plain ``Linear`` its input is
+    taken and the logits are never built.
+    """
+    tolerance = get_tolerance(next(model.parameters()).dtype) if tolerance is None else tolerance
+    size = max(row_length // tiles, 2)
+    lengths = [size] * (tiles - 1) + [max(row_length - size * (tiles - 1), 2)]
+    padded = _check_batch(batch, lengths, left=False)
+    row = remove_padding(padded, one_row=True)
+    was_training = model.training
+    model.eval()
+    try:
+        reference = _final_states(model, padded)[padded["attention_mask"].bool()]
+        laid = _final_states(model, row).flatten(0, 1)
+    except Exception as err:
+        return 0, f"a row of {row_length} tokens failed ({type(err).__name__}: {err})"
+    finally:
+        model.train(was_training)
+    if laid.shape != reference.shape:
+        return 0, f"a row of {row_length} tokens gave outputs of shape {tuple(laid.shape)}"
+    start = 0
+    for n, a, b in zip(lengths, reference.split(lengths), laid.split(lengths), strict=True):
+        difference = _relative(b, a)
+        if not difference <= tolerance:
+            return start, (
+                f"a sequence laid from row offset {start} on computes differently from the same sequence padded "
+                f"({difference:.1e} relative, bound {tolerance:.0e}: the model reads the row index, not only "
+                "position_ids)"
+            )
+        start += n
+    return row_length, None
+
+
+class PaddingFreeChoice(NamedTuple):
+    """What :func:`choose_padding_free` decided: padded or not, the layout, and the longest row verified."""
+
+    padding_free: bool
+    one_row: bool = True
+    max_row_length: int = 0  # 0: no bound (every row length training lays out was checked)
+
+
+def choose_padding_free(
+    objective: Objective, model: nn.Module, batch: Mapping[str, Any], accelerator, max_tokens_per_batch: int = 0
+) -> PaddingFreeChoice:
+    """Whether micro-batches go padding-free for this model and in which layout, decided once, the same on every
+    rank, and said in the log (at WARNING when it falls back).
+
+    The layout the attention prefers (:func:`uses_one_row`) is checked first (:func:`check_padding_free`), then
+    the other one: a router loss that counts the filler of packed rows takes one row instead, whose rows have none.
+    The one that passes is then run as long as training will lay out its rows (:func:`check_row_offsets`): the
+    first micro-batch's longest sequence for packed rows, its padded size (or ``max_tokens_per_batch``) for one
+    row, the largest over the ranks. Where sequences compute differently far into a row, rows are bounded to the
+    length that was verified. Neither layout exact: padded micro-batches, as collated.
+    """
+    problem = padding_free_problem(model, objective)
+    if problem is not None:
+        if objective.supports_padding_free:
+            logger.warning(
+                "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.", problem
+            )
+        else:
+            logger.info("hfacc: padded micro-batches: %s.", problem)
+        return PaddingFreeChoice(False)
+    preferred = uses_one_row(model)
+    longest = _row_lengths(batch, accelerator, max_tokens_per_batch)
+    # Each layout, in order of preference: exact (checked at training's row length), exact up to a row length, or not.
+    exact, bounded, reasons = None, None, {}
+    for one_row in (preferred, not preferred):
+        problem = check_padding_free(model, batch, one_row)
+        if problem is None and takes_images(model):
+            problem = _image_problem(model, batch, one_row)  # a vision-language model: with real images
+        if not all_ranks_agree(problem is None, accelerator):
+            reasons[one_row] = problem or "not exact on another rank"
+            continue
+        target = longest[one_row]
+        # The short check's rows hold up to CHECK_TOKENS; longer ones are run as long as training will lay them out.
+        length, why = check_row_offsets(model, batch, target) if target > CHECK_TOKENS else (target, None)
+        length = _min_over_ranks(length, accelerator)
+        if length >= target:
+            exact = PaddingFreeChoice(True, one_row)
+            break
+        reasons[one_row] = why or "a long row differs on another rank"
+        if length >= 2 and bounded is None:
+            bounded = PaddingFreeChoice(True, one_row, length)
+    choice = exact or bounded or PaddingFreeChoice(False)
+    others = "".join(f" Not {_layout_name(r)}: {why}." for r, why in reasons.items() if r != choice.one_row)
+    if not choice.padding_free:
+        logger.warning(
+            "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
+            "; ".join(f"{_layout_name(r)}: {why}" for r, why in reasons.items()),
+        )
+    elif choice.max_row_length:
+        logger.warning(
+            "hfacc: padding-free micro-batches (%s), at most %d tokens per row: %s; %s.%s Set padding_free=False to "
+            "train padded.",
+            _layout_name(choice.one_row),
+            choice.max_row_length,
+            reasons[choice.one_row],
+            "a micro-batch with more real tokens stays padded"
+            if choice.one_row
+            else "longer sequences get a row each",
+            others,
+        )
+    elif reasons:
+        logger.warning(
+            "hfacc: padding-free micro-batches (%s), checked: the loss, its gradient and rows of %d tokens match the "
+            "padded run.%s Set padding_free=False to train padded.",
+            _layout_name(choice.one_row),
+            longest[choice.one_row],
+            others,
+        )
+    else:
+        logger.info(
+            "hfacc: padding-free micro-batches (%s): checked, the loss, its gradient and rows of %d tokens match the "
+            "padded run, and packed sequences do not leak.",
+            _layout_name(choice.one_row),
+            longest[choice.one_row],
+        )
+    return choice
+
+
+@contextlib.contextmanager
+def padded_neftune_noise(model: nn.Module, padded: Mapping[str, Any], laid: Mapping[str, Any]):
+    """Within the block, NEFTune's noise on ``laid`` (a :func:`remove_padding` layout) is the one stock Trainer draws
+    for ``padded``: same magnitude, same random numbers, at the same tokens.
+
+    Stock NEFTune (``transformers.integrations.neftune``, a forward hook on the input embeddings) scales its uniform
+    noise by ``alpha / sqrt(length * hidden)`` of the tensor it sees: a re-laid batch (one row of N tokens, rows of
+    W) would get another magnitude than the padded ``[B, T]`` one (1.8x with ``pad_to_multiple_of``). Two hooks of
+    hfacc's, around stock's own, put the embeddings back in the padded shape for stock's hook and lay its result out
+    again, so the noise is drawn for ``[B, T, hidden]`` from the same random stream as stock's.
+    """
+    index = laid.get("padded_index")
+    embeddings = None if index is None else _input_embeddings(model)
+    if embeddings is None or getattr(embeddings, "neftune_noise_alpha", None) is None:
+        yield
+        return
+    shape = tuple(padded["attention_mask"].shape)
+    real = laid["sequence_ids"] >= 0
+
+    def to_padded(module, args, output):  # before stock's hook: the real tokens' embeddings where they were padded
+        if tuple(output.shape[:2]) != tuple(index.shape):
+            return None
+        flat = output.new_zeros(shape[0] * shape[1], *output.shape[2:])
+        return flat.index_put((index[real],), output[real]).view(*shape, *output.shape[2:])
+
+    def to_layout(module, args, output):  # after it: back to the layout, noise included
+        if tuple(output.shape[:2]) != shape:
+            return None
+        return output.flatten(0, 1)[index.flatten()].view(*index.shape, *output.shape[2:])
+
+    handles = [embeddings.register_forward_hook(to_padded, prepend=True), embeddings.register_forward_hook(to_layout)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _layout_name(one_row: bool) -> str:
+    return "one row" if one_row else "packed rows as wide as the longest sequence"
+
+
+def _is_left_padded(batch: Mapping[str, Any]) -> bool:
+    mask = batch.get("attention_mask")
+    return torch.is_tensor(mask) and mask.dim() == 2 and bool((mask[:, 0] == 0).any() & (mask[:, -1] == 1).all())
+
+
+def _check_batch(batch: Mapping[str, Any], lengths: list[int], left: bool) -> dict[str, torch.Tensor]:
+    """Sequences of ``lengths`` made of ``batch``'s real tokens (repeated as needed), padded with 0 on one side;
+    every real token is a target."""
     mask = batch.get("attention_mask")
     ids = batch["input_ids"]
     tokens = ids[mask.bool()] if torch.is_tensor(mask) and mask.shape == ids.shape else ids.flatten()
-    lengths = [max(1, max_tokens // 6), max(1, max_tokens // 3), max(1, max_tokens // 2)]
     tokens = tokens.repeat(-(-sum(lengths) // max(tokens.numel(), 1)))[: sum(lengths)]
-    left = torch.is_tensor(mask) and mask.dim() == 2 and bool((mask[:, 0] == 0).any() & (mask[:, -1] == 1).all())
     width = max(lengths)
     padded_ids = torch.zeros(len(lengths), width, dtype=ids.dtype, device=ids.device)
     padded_mask = torch.zeros(len(lengths), width, dtype=torch.long, device=ids.device)
@@ -194,63 +477,122 @@ def check_padding_free(
         padded_ids[row, cols] = tokens[offset : offset + n]
         padded_mask[row, cols] = 1
         offset += n
-    padded = {"input_ids": padded_ids, "attention_mask": padded_mask}
-    row = remove_padding(padded, uses_one_row(model) if one_row is None else one_row)
-    if tolerance is None:
-        dtype = next(model.parameters()).dtype
-        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
-    was_training = model.training
-    model.eval()
+    labels = padded_ids.masked_fill(padded_mask == 0, IGNORE_INDEX)
+    return {"input_ids": padded_ids, "attention_mask": padded_mask, "labels": labels}
+
+
+def _input_embeddings(model: nn.Module) -> nn.Module | None:
+    """The model's input embedding module, or None (a plain module, or a transformers class that does not say)."""
+    base = get_base_model(model)
     try:
-        reference = get_logits(model(**padded, use_cache=False)).float()[padded_mask.bool()]
-        laid = {k: v for k, v in row.items() if k not in ("sequence_ids", "num_sequences")}
-        laid = with_packed_positions(model, laid)  # hfacc.multimodal: mrope models see the sequences too
-        logits = get_logits(model(**laid, use_cache=False)).float()
-        # Back to the padded order: the real positions of original row b are those with sequence_ids == b.
-        owner = row["sequence_ids"].flatten()
-        order = torch.cat([(owner == b).nonzero().flatten() for b in range(len(lengths))])
-        unpadded = logits.flatten(0, 1)[order]
-    except Exception as err:  # a model whose forward does something unexpected with position_ids
-        return f"the padding-free forward failed ({type(err).__name__}: {err})"
+        embeddings = base.get_input_embeddings() if hasattr(base, "get_input_embeddings") else None
+    except NotImplementedError:
+        return None
+    return embeddings if isinstance(embeddings, nn.Module) else None
+
+
+def _vocab_size(model: nn.Module, ids: torch.Tensor) -> int:
+    size = getattr(_input_embeddings(model), "num_embeddings", None)
+    size = size or getattr(getattr(get_base_model(model), "config", None), "vocab_size", None)
+    return int(size) if size else int(ids.max()) + 2
+
+
+def _targets(batch: Mapping[str, Any]) -> torch.Tensor:
+    return shift_labels(
+        batch["labels"], position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask")
+    )
+
+
+class _Run(NamedTuple):
+    logits: torch.Tensor  # [rows, width, vocab], fp32
+    losses: torch.Tensor  # [rows, width]: the cross-entropy of each position (0 where it predicts nothing)
+    aux: torch.Tensor | None  # router_aux_loss_coef * aux_loss
+    grad: torch.Tensor | None  # d (mean loss + aux) / d input embeddings, [rows, width, hidden]
+
+
+def _run_check(model: nn.Module, batch: Mapping[str, Any], with_grad: bool) -> _Run:
+    """One forward of the check (and, ``with_grad``, the gradient with respect to the input embeddings)."""
+    embeddings = _input_embeddings(model)
+    leaf = []
+
+    def capture(module, args, output):  # the embeddings as a leaf of their own: the gradient stops here
+        leaf.append(output.detach().requires_grad_())
+        return leaf[-1]
+
+    handle = embeddings.register_forward_hook(capture) if with_grad and embeddings is not None else None
+    try:
+        with torch.set_grad_enabled(with_grad):
+            # hfacc.multimodal: mrope models see the sequences of a row too (unchanged for other models)
+            outputs = model(**with_packed_positions(model, model_inputs(batch)), use_cache=False)
+            logits = get_logits(outputs).float()
+            targets = _targets(batch)
+            losses = F.cross_entropy(
+                logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+            ).view(targets.shape)
+            aux = get_aux_loss(model, outputs)
+            grad = None
+            if len(leaf) == 1:
+                loss = losses.sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+                (grad,) = torch.autograd.grad(loss + (aux if aux is not None else 0), leaf[0], allow_unused=True)
     finally:
-        model.train(was_training)
-    if unpadded.shape != reference.shape:
-        return f"the padding-free forward returned logits of shape {tuple(unpadded.shape)}"
-    worst = ((unpadded - reference).abs().max() / reference.abs().max().clamp(min=1e-6)).item()
-    if not worst <= tolerance:
-        return (
-            f"its logits without padding differ from the padded ones by {worst:.1e} relative (packed sequences are "
-            "not kept apart, or positions are read differently)"
-        )
-    return None
+        if handle is not None:
+            handle.remove()
+    aux = None if aux is None else aux.detach().float()
+    return _Run(logits.detach(), losses.detach(), aux, None if grad is None else grad.float())
 
 
-def choose_padding_free(
-    objective: Objective, model: nn.Module, batch: Mapping[str, Any], accelerator
-) -> tuple[bool, bool]:
-    """``(padding_free, one_row)``: whether micro-batches go padding-free for this model, decided once, the same on
-    every rank, and said in the log; ``one_row`` for variable-length attention kernels, else packed rows."""
-    padding_free, one_row = False, True
-    problem = padding_free_problem(model, objective)
-    if problem is None:
-        one_row = uses_one_row(model)
-        problem = check_padding_free(model, batch, one_row)
-        if problem is None and takes_images(model):
-            problem = _image_problem(model, batch, one_row)  # a vision-language model: with real images
-        padding_free = all_ranks_agree(problem is None, accelerator)
-    if padding_free:
-        logger.info(
-            "hfacc: padding-free micro-batches (%s): checked, logits match the padded run.",
-            "one row" if one_row else "packed in rows as wide as the longest sequence",
-        )
-    elif objective.supports_padding_free:
-        logger.warning(
-            "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
-            problem or "another rank could not go padding-free",
-        )
-    else:
-        logger.info("hfacc: padded micro-batches: %s.", problem)
-    return padding_free, one_row
+def _final_states(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """What the output projection receives at every position, ``[rows, length, hidden]``, where it is a plain
+    ``Linear``: its forward is swapped, for one forward, for one that keeps its input and returns a 0-d zero, so the
+    logits are never built (as with the fused loss). Else, or where the model cannot take that, the logits."""
+    inputs = {**with_packed_positions(model, model_inputs(batch)), "use_cache": False}
+    if fused_loss_problem(model) is None:
+        found = []
+
+        def keep(hidden):
+            found.append(hidden.detach().float())
+            return hidden.new_zeros(())
+
+        try:
+            with swap_output_head(model, keep):
+                model(**inputs)
+            if len(found) == 1:
+                return found[0]
+        except Exception:  # a model that reshapes its logits: the plain forward below
+            pass
+    return get_logits(model(**inputs)).detach().float()
+
+
+def _relative(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """``|a - b| / |b|`` (L2, in float64; 0 when both are empty or None, inf when only one is)."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    if a.shape != b.shape:
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    a, b = a.double(), b.double()
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return float("nan")
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def _row_lengths(batch: Mapping[str, Any], accelerator, max_tokens_per_batch: int) -> dict[bool, int]:
+    """The longest row each layout gives the first micro-batch, the largest over the ranks: {one_row: length}."""
+    mask = batch.get("attention_mask")
+    ids = batch["input_ids"]
+    longest = int(mask.sum(-1).max()) if torch.is_tensor(mask) and mask.dim() == 2 else ids.shape[-1]
+    lengths = torch.tensor([longest, max(ids.numel(), max_tokens_per_batch)], device=ids.device)
+    if accelerator.num_processes > 1:
+        lengths = accelerator.reduce(lengths, reduction="max")
+    rows, one_row = lengths.tolist()
+    return {False: rows, True: one_row}
+
+
+def _min_over_ranks(value: int, accelerator) -> int:
+    if accelerator.num_processes == 1:
+        return value
+    return -int(accelerator.reduce(torch.tensor([-value], device=accelerator.device), reduction="max").item())
 
 
 def _image_problem(model: nn.Module, batch: Mapping[str, Any], one_row: bool) -> str | None:

@@ -62,7 +62,7 @@ from .meter import LossMeter
 from .model_setup import ModelSetup, build_model_setup
 from .multimodal import IMAGE_COLUMN
 from .objectives import ModelLossObjective, Objective
-from .padding_free import remove_padding
+from .padding_free import padded_neftune_noise, remove_padding
 from .step_gate import NonFiniteLossError, StepGate
 from .streaming import (
     SFTStream,
@@ -295,8 +295,9 @@ class TokenWeightedTrainer(Trainer):
         if not model.training and objective.supports_fused:
             # The fused path returns loss sums where the logits would be: only when nobody reads the logits.
             objective.fused_in_eval = not self._eval_needs_logits
+        padded, setup = inputs, self.model_setup
         if self.padding_free and (model.training or objective.fused_in_eval):  # eval: unless logits are wanted
-            inputs = remove_padding(inputs, self.model_setup.one_row, keep=objective.row_keys) or inputs
+            inputs = remove_padding(inputs, setup.one_row, setup.max_row_length, keep=objective.row_keys) or inputs
         if model.training:
             if self.window is None or self.window.left <= 0:
                 # compute_loss called outside the Trainer's loop (e.g. a user's own `training_step` call): the
@@ -305,9 +306,10 @@ class TokenWeightedTrainer(Trainer):
             window = self.window
             repeated = window.take()
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
-            loss, outputs, sums = compute_micro_batch_loss(
-                objective, model, inputs, window.counts, normalization=self.args.normalization, world_size=world
-            )
+            with padded_neftune_noise(model, padded, inputs):  # NEFTune: stock's noise for the padded batch
+                loss, outputs, sums = compute_micro_batch_loss(
+                    objective, model, inputs, window.counts, normalization=self.args.normalization, world_size=world
+                )
             if repeated:  # only examples accelerate repeated: run for the all-reduce, contribute nothing
                 loss, sums = loss * 0, objective.zero_sums(sums)
             window.stage(objective.metric_sums(sums))

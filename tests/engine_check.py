@@ -79,7 +79,7 @@ class HeadSpy:
         self.head.register_forward_hook(self.hook)  # before the engine's own: it sees the weight as the forward did
 
     def hook(self, module, inputs, output):
-        if torch.is_grad_enabled():  # training micro-batches only
+        if torch.is_grad_enabled() and module.training:  # training micro-batches (the start-up checks run in eval)
             w = module.weight
             self.seen.append({"weight": _describe(w), "output_dim": output.dim()})
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -87,6 +88,66 @@ def _logits(outputs):
     if torch.is_tensor(outputs):
         return outputs
     return outputs["logits"] if isinstance(outputs, dict) or hasattr(outputs, "keys") else outputs[0]
+
+
+def family_config(family):
+    """Tiny configs, of transformers' own classes, of families whose layout no signature shows (hidden 16-32, 2
+    layers, vocab 64): router losses, convolutions and scans, a zero pad embedding, attention that reads the row."""
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    common.update(num_key_value_heads=2, max_position_embeddings=256)
+    router = dict(output_router_logits=True, router_aux_loss_coef=0.1, num_experts_per_tok=2)
+    return {
+        "mixtral": lambda: transformers.MixtralConfig(**common, **router, num_local_experts=4),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **common, **router, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32
+        ),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common, **router, num_experts=4, moe_intermediate_size=32, head_dim=8
+        ),
+        "olmoe": lambda: transformers.OlmoeConfig(**common, **router, num_experts=4, eos_token_id=VOCAB - 1),
+        "granitemoe": lambda: transformers.GraniteMoeConfig(**common, **router, num_local_experts=4),
+        "lfm2": lambda: transformers.Lfm2Config(**common, layer_types=["conv", "full_attention"]),
+        "jamba": lambda: transformers.JambaConfig(
+            **common,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            num_experts=2,
+            mamba_d_state=4,
+        ),
+        "gemma3n": lambda: transformers.Gemma3nTextConfig(
+            **common,
+            head_dim=8,
+            vocab_size_per_layer_input=VOCAB,
+            hidden_size_per_layer_input=8,
+            laurel_rank=4,
+            altup_num_inputs=2,
+            num_kv_shared_layers=0,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=16,
+            activation_sparsity_pattern=[0.0, 0.0],
+        ),
+        # Layer 1 is a NoPE layer (temperature tuning from floor_scale on), layer 0 chunked attention.
+        "llama4": lambda: transformers.Llama4TextConfig(
+            **{**common, "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1},
+            head_dim=8,
+            intermediate_size_mlp=32,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            no_rope_layers=[1, 0],
+        ),
+    }[family]()
+
+
+def build_family(family, **config):
+    """A family's tiny model, seeded; ``config`` overrides settings of its config."""
+    torch.manual_seed(0)
+    settings = family_config(family)
+    for key, value in config.items():
+        setattr(settings, key, value)
+    return transformers.AutoModelForCausalLM.from_config(settings).float()
 
 
 class CaptureGradients(TrainerCallback):
