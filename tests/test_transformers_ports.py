@@ -238,8 +238,11 @@ ARGS = {
 
 
 def run(cls, model, tmp_path, dataset, collator, ga=1, bs=8, broken=False, **trainer_kwargs):
+    # transformers' test reuses one output_dir; each run gets its own here, because hfacc refuses a new run over
+    # another run's checkpoints (a later --resume_from_checkpoint last could continue theirs: docs/reliability.md).
+    output_dir = tmp_path / f"run-{sum(1 for _ in tmp_path.iterdir())}"
     args = TokenWeightedArguments(
-        str(tmp_path), gradient_accumulation_steps=ga, per_device_train_batch_size=bs, **ARGS
+        str(output_dir), gradient_accumulation_steps=ga, per_device_train_batch_size=bs, **ARGS
     )
     callback = StoreLossCallback()
     trainer = cls(model, args, train_dataset=dataset, callbacks=[callback], data_collator=collator, **trainer_kwargs)
