@@ -331,7 +331,7 @@ class PaddingFreeChoice(NamedTuple):
 
     padding_free: bool
     one_row: bool = True
-    max_row_length: int = 0  # 0: no bound (every row length training lays out was checked)
+    max_row_length: int = 0  # the longest row verified (0: no bound)
 
 
 def choose_padding_free(
@@ -344,8 +344,10 @@ def choose_padding_free(
     the other one: a router loss that counts the filler of packed rows takes one row instead, whose rows have none.
     The one that passes is then run as long as training will lay out its rows (:func:`check_row_offsets`): the
     first micro-batch's longest sequence for packed rows, its padded size (or ``max_tokens_per_batch``) for one
-    row, the largest over the ranks. Where sequences compute differently far into a row, rows are bounded to the
-    length that was verified. Neither layout exact: padded micro-batches, as collated.
+    row, the largest over the ranks. Rows are then bounded to the length that was verified (``max_row_length``),
+    shorter where sequences compute differently far into a row: a later micro-batch longer than the first is
+    beyond what was checked (Llama 4 reads the row index past ``floor_scale``), so its longer sequences get rows of
+    their own (packed rows) or it stays padded (one row). Neither layout exact: padded micro-batches, as collated.
     """
     problem = padding_free_problem(model, objective)
     if problem is not None:
@@ -372,7 +374,8 @@ def choose_padding_free(
         length, why = check_row_offsets(model, batch, target) if target > CHECK_TOKENS else (target, None)
         length = _min_over_ranks(length, accelerator)
         if length >= target:
-            exact = PaddingFreeChoice(True, one_row)
+            # Verified up to the target, not beyond: a longer row later could read offsets nothing here ran.
+            exact = PaddingFreeChoice(True, one_row, target)
             break
         reasons[one_row] = why or "a long row differs on another rank"
         if length >= 2 and bounded is None:
@@ -384,7 +387,7 @@ def choose_padding_free(
             "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
             "; ".join(f"{_layout_name(r)}: {why}" for r, why in reasons.items()),
         )
-    elif choice.max_row_length:
+    elif choice is not exact:
         logger.warning(
             "hfacc: padding-free micro-batches (%s), at most %d tokens per row: %s; %s.%s Set padding_free=False to "
             "train padded.",
@@ -399,7 +402,7 @@ def choose_padding_free(
     elif reasons:
         logger.warning(
             "hfacc: padding-free micro-batches (%s), checked: the loss, its gradient and rows of %d tokens match the "
-            "padded run.%s Set padding_free=False to train padded.",
+            "padded run (no longer row is laid out).%s Set padding_free=False to train padded.",
             _layout_name(choice.one_row),
             longest[choice.one_row],
             others,
@@ -407,7 +410,7 @@ def choose_padding_free(
     else:
         logger.info(
             "hfacc: padding-free micro-batches (%s): checked, the loss, its gradient and rows of %d tokens match the "
-            "padded run, and packed sequences do not leak.",
+            "padded run (no longer row is laid out), and packed sequences do not leak.",
             _layout_name(choice.one_row),
             longest[choice.one_row],
         )
