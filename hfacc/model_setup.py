@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from .loss_path import choose_loss_path
+from .model_io import get_base_model
 from .objectives import LossFunctionObjective, ModelLossObjective, Objective, get_objective
 from .objectives.base import SetupContext
 from .padding_free import choose_padding_free
@@ -110,10 +111,29 @@ def build_model_setup(
         elif fused_loss:
             logger.warning("hfacc: plain loss path (full logits): %s.", problem)
     objective.setup(SetupContext(model, batch, accelerator, args, trainer))
+    accumulation = getattr(args, "gradient_accumulation_steps", 1) or 1
+    if accumulation > 1 or accelerator.num_processes > 1 or getattr(args, "max_tokens_per_batch", 0):
+        _warn_about_router_loss(model)
     logger.info("hfacc: objective %s, normalization %r", objective, normalization)
     if isinstance(objective, ModelLossObjective) and normalization != "micro_batch":
         logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
     return setup
+
+
+def _warn_about_router_loss(model: nn.Module) -> None:
+    """A router load-balancing loss is a statistic of each micro-batch's own routing (hfacc.window averages it over
+    the micro-batches), so the step of a split window is not one big batch's: say so where the run starts, not only
+    in ``hfacc verify``."""
+    config = getattr(get_base_model(model), "config", None)
+    coef = getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0)
+    if coef:
+        logger.warning(
+            "hfacc: the model adds a router load-balancing loss (router_aux_loss_coef %s) computed from each "
+            "micro-batch's own routing and averaged over the micro-batches: the step depends on how the window is "
+            "split, it is not exactly one big batch's. Set output_router_logits=False in the model config for an exact "
+            "step.",
+            coef,
+        )
 
 
 __all__ = ["ModelSetup", "build_model_setup"]

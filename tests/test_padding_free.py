@@ -380,6 +380,9 @@ def test_a_router_loss_gets_the_padded_gradient_in_one_row(tmp_path, caplog, fam
     assert trainer.padding_free and trainer.model_setup.one_row
     assert len(warnings) == 1 and "(one row), checked" in warnings[0] and "Not packed rows" in warnings[0]
     assert "auxiliary (router) loss by" in warnings[0] and "the gradient that reaches the filler" in warnings[0]
+    # The router loss is each micro-batch's own: the split window's step is not one big batch's, and it is said.
+    said = [r.message for r in caplog.records if r.levelno == logging.WARNING and "load-balancing" in r.message]
+    assert len(said) == 1 and "output_router_logits=False" in said[0]
     # The check is needed: packed rows with a filler train another gradient.
     batch = pad(examples[:4])
     rows = remove_padding(batch, one_row=False)
