@@ -71,6 +71,7 @@ def build_model_setup(
     compute_loss_func: Callable | None = None,
     args=None,
     trainer=None,
+    longest_sequence: int = 0,
 ) -> ModelSetup:
     """Take the per-model decisions for ``model`` from its first micro-batch ``batch`` (already on the device).
 
@@ -81,6 +82,8 @@ def build_model_setup(
         compute_loss_func: transformers' ``compute_loss_func``: the loss is the user's, counted by the objective.
         args, trainer: the run's arguments and trainer, for objectives whose setup reads them
             (:class:`hfacc.objectives.SetupContext`).
+        longest_sequence: the training data's longest sequence where it is known (0: not known), so that the
+            padding-free check runs rows as long as training will lay out, not only the first micro-batch's.
     """
     if isinstance(objective, str):
         objective = get_objective(model, batch, name=objective, label_smoothing=label_smoothing)
@@ -92,7 +95,7 @@ def build_model_setup(
     elif padding_free and objective.supports_padding_free:
         budget = getattr(args, "max_tokens_per_batch", 0) or 0  # the longest one row training may lay out
         setup.padding_free, setup.one_row, setup.max_row_length = choose_padding_free(
-            objective, model, batch, accelerator, max_tokens_per_batch=budget
+            objective, model, batch, accelerator, max_tokens_per_batch=budget, longest_sequence=longest_sequence
         )
     objective = setup.objective
     if objective.supports_fused:

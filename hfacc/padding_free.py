@@ -335,7 +335,12 @@ class PaddingFreeChoice(NamedTuple):
 
 
 def choose_padding_free(
-    objective: Objective, model: nn.Module, batch: Mapping[str, Any], accelerator, max_tokens_per_batch: int = 0
+    objective: Objective,
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    accelerator,
+    max_tokens_per_batch: int = 0,
+    longest_sequence: int = 0,
 ) -> PaddingFreeChoice:
     """Whether micro-batches go padding-free for this model and in which layout, decided once, the same on every
     rank, and said in the log (at WARNING when it falls back).
@@ -344,7 +349,8 @@ def choose_padding_free(
     the other one: a router loss that counts the filler of packed rows takes one row instead, whose rows have none.
     The one that passes is then run as long as training will lay out its rows (:func:`check_row_offsets`): the
     first micro-batch's longest sequence for packed rows, its padded size (or ``max_tokens_per_batch``) for one
-    row, the largest over the ranks. Rows are then bounded to the length that was verified (``max_row_length``),
+    row, the largest over the ranks, and at least what ``longest_sequence`` (the training data's longest, where it
+    is known: :func:`hfacc.batching.get_longest_sequence`) lays out. Rows are then bounded to the length that was verified (``max_row_length``),
     shorter where sequences compute differently far into a row: a later micro-batch longer than the first is
     beyond what was checked (Llama 4 reads the row index past ``floor_scale``), so its longer sequences get rows of
     their own (packed rows) or it stays padded (one row). Neither layout exact: padded micro-batches, as collated.
@@ -359,7 +365,7 @@ def choose_padding_free(
             logger.info("hfacc: padded micro-batches: %s.", problem)
         return PaddingFreeChoice(False)
     preferred = uses_one_row(model)
-    longest = _row_lengths(batch, accelerator, max_tokens_per_batch)
+    longest = _row_lengths(batch, accelerator, max_tokens_per_batch, longest_sequence)
     # Each layout, in order of preference: exact (checked at training's row length), exact up to a row length, or not.
     exact, bounded, reasons = None, None, {}
     for one_row in (preferred, not preferred):
@@ -580,12 +586,18 @@ def _relative(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-def _row_lengths(batch: Mapping[str, Any], accelerator, max_tokens_per_batch: int) -> dict[bool, int]:
-    """The longest row each layout gives the first micro-batch, the largest over the ranks: {one_row: length}."""
+def _row_lengths(
+    batch: Mapping[str, Any], accelerator, max_tokens_per_batch: int, longest_sequence: int = 0
+) -> dict[bool, int]:
+    """The longest row each layout lays out, the largest over the ranks: {one_row: length}. From the first
+    micro-batch, and from ``longest_sequence`` where the data's longest is known: packed rows are as long as the
+    longest sequence; one row holds a micro-batch's tokens (``max_tokens_per_batch``, or as many sequences as the
+    first micro-batch holds, each up to the longest)."""
     mask = batch.get("attention_mask")
     ids = batch["input_ids"]
     longest = int(mask.sum(-1).max()) if torch.is_tensor(mask) and mask.dim() == 2 else ids.shape[-1]
-    lengths = torch.tensor([longest, max(ids.numel(), max_tokens_per_batch)], device=ids.device)
+    one_row = max_tokens_per_batch or max(ids.numel(), ids.shape[0] * longest_sequence)
+    lengths = torch.tensor([max(longest, longest_sequence), max(ids.numel(), one_row)], device=ids.device)
     if accelerator.num_processes > 1:
         lengths = accelerator.reduce(lengths, reduction="max")
     rows, one_row = lengths.tolist()
