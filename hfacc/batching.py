@@ -221,6 +221,18 @@ def pack_dataset(dataset, max_length: int):
     return datasets.Dataset.from_list(rows)
 
 
+def get_longest_sequence(dataset) -> int:
+    """The longest ``input_ids`` of a map-style ``datasets.Dataset`` (read from Arrow, no row decoded), else 0."""
+    if not isinstance(dataset, datasets.Dataset) or "input_ids" not in dataset.column_names or len(dataset) == 0:
+        return 0
+    import pyarrow.compute as pc
+
+    column = dataset.data.column("input_ids")
+    if dataset._indices is not None:  # a select()/shuffle() view: the rows it holds
+        column = column.take(dataset._indices.column(0))
+    return int(pc.max(pc.list_value_length(column)).as_py() or 0)
+
+
 def is_packed(batch) -> bool:
     """Whether a batch holds packed rows: ``position_ids`` and no ``attention_mask``."""
     return batch.get("position_ids") is not None and batch.get("attention_mask") is None

@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from .loss_path import choose_loss_path
+from .model_io import get_base_model
 from .objectives import LossFunctionObjective, ModelLossObjective, Objective, get_objective
 from .objectives.base import SetupContext
 from .padding_free import choose_padding_free
@@ -70,6 +71,7 @@ def build_model_setup(
     compute_loss_func: Callable | None = None,
     args=None,
     trainer=None,
+    longest_sequence: int = 0,
 ) -> ModelSetup:
     """Take the per-model decisions for ``model`` from its first micro-batch ``batch`` (already on the device).
 
@@ -80,6 +82,8 @@ def build_model_setup(
         compute_loss_func: transformers' ``compute_loss_func``: the loss is the user's, counted by the objective.
         args, trainer: the run's arguments and trainer, for objectives whose setup reads them
             (:class:`hfacc.objectives.SetupContext`).
+        longest_sequence: the training data's longest sequence where it is known (0: not known), so that the
+            padding-free check runs rows as long as training will lay out, not only the first micro-batch's.
     """
     if isinstance(objective, str):
         objective = get_objective(model, batch, name=objective, label_smoothing=label_smoothing)
@@ -91,7 +95,7 @@ def build_model_setup(
     elif padding_free and objective.supports_padding_free:
         budget = getattr(args, "max_tokens_per_batch", 0) or 0  # the longest one row training may lay out
         setup.padding_free, setup.one_row, setup.max_row_length = choose_padding_free(
-            objective, model, batch, accelerator, max_tokens_per_batch=budget
+            objective, model, batch, accelerator, max_tokens_per_batch=budget, longest_sequence=longest_sequence
         )
     objective = setup.objective
     if objective.supports_fused:
@@ -110,10 +114,29 @@ def build_model_setup(
         elif fused_loss:
             logger.warning("hfacc: plain loss path (full logits): %s.", problem)
     objective.setup(SetupContext(model, batch, accelerator, args, trainer))
+    accumulation = getattr(args, "gradient_accumulation_steps", 1) or 1
+    if accumulation > 1 or accelerator.num_processes > 1 or getattr(args, "max_tokens_per_batch", 0):
+        _warn_about_router_loss(model)
     logger.info("hfacc: objective %s, normalization %r", objective, normalization)
     if isinstance(objective, ModelLossObjective) and normalization != "micro_batch":
         logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
     return setup
+
+
+def _warn_about_router_loss(model: nn.Module) -> None:
+    """A router load-balancing loss is a statistic of each micro-batch's own routing (hfacc.window averages it over
+    the micro-batches), so the step of a split window is not one big batch's: say so where the run starts, not only
+    in ``hfacc verify``."""
+    config = getattr(get_base_model(model), "config", None)
+    coef = getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0)
+    if coef:
+        logger.warning(
+            "hfacc: the model adds a router load-balancing loss (router_aux_loss_coef %s) computed from each "
+            "micro-batch's own routing and averaged over the micro-batches: the step depends on how the window is "
+            "split, it is not exactly one big batch's. Set output_router_logits=False in the model config for an exact "
+            "step.",
+            coef,
+        )
 
 
 __all__ = ["ModelSetup", "build_model_setup"]

@@ -331,11 +331,16 @@ class PaddingFreeChoice(NamedTuple):
 
     padding_free: bool
     one_row: bool = True
-    max_row_length: int = 0  # 0: no bound (every row length training lays out was checked)
+    max_row_length: int = 0  # the longest row verified (0: no bound)
 
 
 def choose_padding_free(
-    objective: Objective, model: nn.Module, batch: Mapping[str, Any], accelerator, max_tokens_per_batch: int = 0
+    objective: Objective,
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    accelerator,
+    max_tokens_per_batch: int = 0,
+    longest_sequence: int = 0,
 ) -> PaddingFreeChoice:
     """Whether micro-batches go padding-free for this model and in which layout, decided once, the same on every
     rank, and said in the log (at WARNING when it falls back).
@@ -344,8 +349,11 @@ def choose_padding_free(
     the other one: a router loss that counts the filler of packed rows takes one row instead, whose rows have none.
     The one that passes is then run as long as training will lay out its rows (:func:`check_row_offsets`): the
     first micro-batch's longest sequence for packed rows, its padded size (or ``max_tokens_per_batch``) for one
-    row, the largest over the ranks. Where sequences compute differently far into a row, rows are bounded to the
-    length that was verified. Neither layout exact: padded micro-batches, as collated.
+    row, the largest over the ranks, and at least what ``longest_sequence`` (the training data's longest, where it
+    is known: :func:`hfacc.batching.get_longest_sequence`) lays out. Rows are then bounded to the length that was verified (``max_row_length``),
+    shorter where sequences compute differently far into a row: a later micro-batch longer than the first is
+    beyond what was checked (Llama 4 reads the row index past ``floor_scale``), so its longer sequences get rows of
+    their own (packed rows) or it stays padded (one row). Neither layout exact: padded micro-batches, as collated.
     """
     problem = padding_free_problem(model, objective)
     if problem is not None:
@@ -357,7 +365,7 @@ def choose_padding_free(
             logger.info("hfacc: padded micro-batches: %s.", problem)
         return PaddingFreeChoice(False)
     preferred = uses_one_row(model)
-    longest = _row_lengths(batch, accelerator, max_tokens_per_batch)
+    longest = _row_lengths(batch, accelerator, max_tokens_per_batch, longest_sequence)
     # Each layout, in order of preference: exact (checked at training's row length), exact up to a row length, or not.
     exact, bounded, reasons = None, None, {}
     for one_row in (preferred, not preferred):
@@ -372,7 +380,8 @@ def choose_padding_free(
         length, why = check_row_offsets(model, batch, target) if target > CHECK_TOKENS else (target, None)
         length = _min_over_ranks(length, accelerator)
         if length >= target:
-            exact = PaddingFreeChoice(True, one_row)
+            # Verified up to the target, not beyond: a longer row later could read offsets nothing here ran.
+            exact = PaddingFreeChoice(True, one_row, target)
             break
         reasons[one_row] = why or "a long row differs on another rank"
         if length >= 2 and bounded is None:
@@ -384,7 +393,7 @@ def choose_padding_free(
             "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
             "; ".join(f"{_layout_name(r)}: {why}" for r, why in reasons.items()),
         )
-    elif choice.max_row_length:
+    elif choice is not exact:
         logger.warning(
             "hfacc: padding-free micro-batches (%s), at most %d tokens per row: %s; %s.%s Set padding_free=False to "
             "train padded.",
@@ -399,7 +408,7 @@ def choose_padding_free(
     elif reasons:
         logger.warning(
             "hfacc: padding-free micro-batches (%s), checked: the loss, its gradient and rows of %d tokens match the "
-            "padded run.%s Set padding_free=False to train padded.",
+            "padded run (no longer row is laid out).%s Set padding_free=False to train padded.",
             _layout_name(choice.one_row),
             longest[choice.one_row],
             others,
@@ -407,7 +416,7 @@ def choose_padding_free(
     else:
         logger.info(
             "hfacc: padding-free micro-batches (%s): checked, the loss, its gradient and rows of %d tokens match the "
-            "padded run, and packed sequences do not leak.",
+            "padded run (no longer row is laid out), and packed sequences do not leak.",
             _layout_name(choice.one_row),
             longest[choice.one_row],
         )
@@ -577,12 +586,18 @@ def _relative(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-def _row_lengths(batch: Mapping[str, Any], accelerator, max_tokens_per_batch: int) -> dict[bool, int]:
-    """The longest row each layout gives the first micro-batch, the largest over the ranks: {one_row: length}."""
+def _row_lengths(
+    batch: Mapping[str, Any], accelerator, max_tokens_per_batch: int, longest_sequence: int = 0
+) -> dict[bool, int]:
+    """The longest row each layout lays out, the largest over the ranks: {one_row: length}. From the first
+    micro-batch, and from ``longest_sequence`` where the data's longest is known: packed rows are as long as the
+    longest sequence; one row holds a micro-batch's tokens (``max_tokens_per_batch``, or as many sequences as the
+    first micro-batch holds, each up to the longest)."""
     mask = batch.get("attention_mask")
     ids = batch["input_ids"]
     longest = int(mask.sum(-1).max()) if torch.is_tensor(mask) and mask.dim() == 2 else ids.shape[-1]
-    lengths = torch.tensor([longest, max(ids.numel(), max_tokens_per_batch)], device=ids.device)
+    one_row = max_tokens_per_batch or max(ids.numel(), ids.shape[0] * longest_sequence)
+    lengths = torch.tensor([max(longest, longest_sequence), max(ids.numel(), one_row)], device=ids.device)
     if accelerator.num_processes > 1:
         lengths = accelerator.reduce(lengths, reduction="max")
     rows, one_row = lengths.tolist()

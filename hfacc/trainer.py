@@ -29,7 +29,7 @@ from transformers.trainer_utils import has_length
 
 from .arguments import TokenWeightedArguments, as_token_weighted_arguments, validate_settings
 from .audit import AccumulationAuditCallback
-from .batching import build_token_budget_loader, is_packed, require_packing_support
+from .batching import build_token_budget_loader, get_longest_sequence, is_packed, require_packing_support
 from .checkpoint import (
     complete_checkpoint,
     describe_save_failure,
@@ -253,6 +253,7 @@ class TokenWeightedTrainer(Trainer):
             compute_loss_func=self.compute_loss_func,
             args=self.args,
             trainer=self,
+            longest_sequence=get_longest_sequence(self.train_dataset),
         )
         self.objective = self.model_setup.objective
         return self.model_setup

@@ -380,6 +380,9 @@ def test_a_router_loss_gets_the_padded_gradient_in_one_row(tmp_path, caplog, fam
     assert trainer.padding_free and trainer.model_setup.one_row
     assert len(warnings) == 1 and "(one row), checked" in warnings[0] and "Not packed rows" in warnings[0]
     assert "auxiliary (router) loss by" in warnings[0] and "the gradient that reaches the filler" in warnings[0]
+    # The router loss is each micro-batch's own: the split window's step is not one big batch's, and it is said.
+    said = [r.message for r in caplog.records if r.levelno == logging.WARNING and "load-balancing" in r.message]
+    assert len(said) == 1 and "output_router_logits=False" in said[0]
     # The check is needed: packed rows with a filler train another gradient.
     batch = pad(examples[:4])
     rows = remove_padding(batch, one_row=False)
@@ -483,6 +486,32 @@ def test_one_row_verified_to_an_offset_keeps_longer_micro_batches_padded(tmp_pat
     assert "a micro-batch with more real tokens stays padded" in warnings[0]
     # The first micro-batch (99 real tokens) trains padded, the second (34) in one row.
     assert [(shape[0], masked) for shape, masked in seen[-2:]] == [(4, True), (1, False)]
+
+
+def test_a_later_micro_batch_longer_than_the_first_is_checked_or_stays_padded(tmp_path, caplog, monkeypatch):
+    """The first micro-batch lays out one row of 44 tokens; a later one of 99 real tokens crosses the Llama 4 above's
+    floor_scale (64), which nothing ran at 44 (before: 1.6e-2 off the padded gradient, logged as checked). The
+    Trainer checks rows as long as its data's longest lays out (one row fails past 64, packed rows take over);
+    where the data's longest is not known (a stream), rows are bounded to what was verified."""
+    from types import SimpleNamespace
+
+    from hfacc.padding_free import choose_padding_free
+
+    monkeypatch.setattr("hfacc.padding_free.uses_one_row", lambda model: True)
+    model = build_family("llama4", floor_scale=64, attention_chunk_size=64, initializer_range=0.5)
+    examples = make_examples(4, seed=19, lengths=(5, 12)) + make_examples(4, seed=16, lengths=(20, 30))
+    reference = padded_reference(model, examples, 4)
+    trainer, capture, warnings = train_family(tmp_path, caplog, model, examples)
+    assert relative_error(capture.grads[0], reference) <= 1e-6
+    longest = max(len(e["input_ids"]) for e in examples)
+    setup = trainer.model_setup
+    assert not setup.one_row and setup.max_row_length >= longest  # every row training lays out was run
+    assert any("Not one row: a sequence laid from row offset" in w for w in warnings), warnings
+    # The first micro-batch only: one row is verified to its 44 tokens, and the longer micro-batch stays padded.
+    first, second = pad(examples[:4]), pad(examples[4:])
+    choice = choose_padding_free(CausalLMObjective(), model, first, SimpleNamespace(num_processes=1))
+    assert choice == (True, True, 44)
+    assert remove_padding(second, True, choice.max_row_length) is None
 
 
 def test_rows_never_lay_a_sequence_past_the_verified_length():
