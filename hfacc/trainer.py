@@ -40,7 +40,7 @@ from .distributed import (
 )
 from .meter import LossMeter
 from .model_setup import ModelSetup, build_model_setup
-from .objectives import ModelLossObjective, Objective
+from .objectives import OBJECTIVES, ModelLossObjective, Objective
 from .padding_free import remove_padding
 from .step_gate import NonFiniteLossError, StepGate
 from .streaming import (
@@ -213,7 +213,9 @@ class TokenWeightedTrainer(Trainer):
         # other. The packing check then refuses such a model. An objective given as an instance names the columns
         # it reads itself (Objective.columns).
         super()._set_signature_columns_if_needed()
-        wanted = ("position_ids", "seq_lengths", *(self.objective.columns if self.objective is not None else ()))
+        # An objective named in the settings (objective="grpo") reads its columns too: its class says which.
+        objective = self.objective if self.objective is not None else OBJECTIVES.get(self._objective_setting)
+        wanted = ("position_ids", "seq_lengths", *(objective.columns if objective is not None else ()))
         self._signature_columns += [c for c in wanted if c not in self._signature_columns]
 
     # ---- the loss: once per micro-batch ---------------------------------------------------------------------
