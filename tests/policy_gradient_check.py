@@ -124,7 +124,25 @@ def main(out_path: str) -> None:
         online["errors"][loss_type] = relative_error(capture.grads[0], want)
     results["online"] = online
 
+    # hfacc verify --objective grpo on both ranks: a rollout of the policy, each step vs its big batch.
+    from hfacc.verify import verify_policy_gradient
+    from tests.grpo_setup import build_policy, build_prompts
+
     accelerator = Accelerator(cpu=True)
+    policy, tokenizer = build_policy()
+    prompts = [
+        tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in build_prompts()["prompt"]
+    ]
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    report = verify_policy_gradient(
+        policy, tokenizer, ids, micro_batch_size=2, gradient_accumulation_steps=2, accelerator=accelerator
+    )
+    results["verify"] = {
+        "passed": report.passed,
+        "errors": report.errors,
+        "micro_batch": report.micro_batch_errors,
+        "world_size": report.rollout["world_size"],
+    }
     if accelerator.is_main_process:
         Path(out_path).write_text(json.dumps(results, indent=2))
     accelerator.wait_for_everyone()

@@ -178,3 +178,33 @@ def test_the_online_first_step_on_two_ranks(two_ranks):
     assert online["rows_per_rank"] == [8, 8] and online["prompts_differ"]
     for name, error in online["errors"].items():
         assert error <= 1e-6, name
+
+
+@pytest.mark.distributed
+def test_verify_on_two_ranks(two_ranks):
+    verify = two_ranks["verify"]
+    assert verify["passed"] and verify["world_size"] == 2
+    assert max(e for by in verify["errors"].values() for errs in by.values() for e in errs) <= 1e-6
+    assert verify["micro_batch"]["token"] > 0.01  # the comparison it prints can see a wrong normalizer
+
+
+def test_hfacc_verify_objective_grpo(capsys):
+    """`hfacc verify --objective grpo`: a rollout of the embedded model, each optimizer step of spg = GA and 2 x GA
+    against its big batch, every loss type; and the per-micro-batch normalization it prints for comparison."""
+    from hfacc.cli import main as cli_main
+
+    argv = [
+        "verify",
+        "--objective",
+        "grpo",
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+    ]
+    argv += ["--embedded_hidden_size", "32", "--embedded_num_layers", "1", "--json_path", "/dev/null"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "steps_per_generation 2 (= GA) and 4 (= 2 x GA" in out
+    for loss_type in ("token", "sequence", "dr_grpo"):
+        assert f"  {loss_type}" in out

@@ -275,3 +275,23 @@ def test_one_rollout_over_two_optimizer_steps(tmp_path, setup, loss_type, beta):
     for got, expected in zip(capture.grads, want, strict=True):
         assert relative_error(got, expected) <= 1e-6
     assert relative_error(want[0], want[1]) > 0.1 and not math.isclose(want[1].norm(), 0.0)
+
+
+def test_a_hand_written_loop_scales_by_the_objectives_own_loss(setup):
+    """hfacc.accumulation_window with PolicyGradientObjective(loss_type='sequence'): mb.scale divides by the step's
+    completions, as the objective says, not by its tokens (normalize_window_loss's default)."""
+    from accelerate import Accelerator
+
+    from hfacc import accumulation_window
+
+    model, ref, rows, refs = setup
+    accelerator = Accelerator(cpu=True)
+    objective = objective_for("sequence", 0.0, ref)
+    batches = [collate(rows[i : i + 3]) for i in range(0, 8, 3)]
+    model.zero_grad()
+    for mb in accumulation_window(accelerator, model, batches, objective=objective):
+        with mb.sync():
+            _, sums = objective(model, mb.batch)
+            accelerator.backward(mb.scale(sums))
+    assert relative_error(flat_grad(model), refs[("sequence", 0.0)][0]) <= 1e-6
+    model.zero_grad()
