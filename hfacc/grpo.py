@@ -144,9 +144,11 @@ def load_policy(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArg
             source = f"from {sft_dir}"
         else:
             sft_dir = Path(args.output_dir) / "sft"
-            source = f"short SFT ({job.sft_max_steps} steps; no {job.sft_output_dir})"
+            source = f"a short SFT of {job.sft_max_steps} steps (no {job.sft_output_dir})"
             if args.process_index == 0:
-                write(f"no SFT model at {job.sft_output_dir} (run recipes/sft.py to make one): a {source[:-1]} first")
+                write(
+                    f"no SFT model at {job.sft_output_dir} (recipes/sft.py makes one): {source[: -len(job.sft_output_dir) - 5]} first"
+                )
             run_short_sft(sft_dir, job.sft_max_steps, args)
         model_args = dataclasses.replace(model_args, model_name_or_path=str(sft_dir))
     else:
@@ -190,11 +192,13 @@ def build_prompts(job: GRPOJobArguments, seed: int):
     from .embedded import generate_instruction_examples
 
     def rows(n, data_seed):
-        out = []
-        for example in generate_instruction_examples(4 * n, seed=data_seed):
-            if job.tasks is None or example["task"] in job.tasks:
-                messages = example["messages"]
-                out.append({"prompt": messages[:-1], "answer": messages[-1]["content"], "task": example["task"]})
+        out, chunk = [], 0
+        while len(out) < n and chunk < 100:  # the tasks asked for, drawn until there are n of them
+            for example in generate_instruction_examples(4 * n, seed=data_seed + 7919 * chunk):
+                if job.tasks is None or example["task"] in job.tasks:
+                    messages = example["messages"]
+                    out.append({"prompt": messages[:-1], "answer": messages[-1]["content"], "task": example["task"]})
+            chunk += 1
         return out[:n]
 
     train = datasets.Dataset.from_list(rows(job.num_train_prompts, 1000 + seed))
