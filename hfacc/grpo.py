@@ -51,6 +51,9 @@ class GRPOJobArguments:
         },
     )
     sft_max_steps: int = field(default=320, metadata={"help": "Optimizer steps of that short SFT."})
+    sft_num_examples: int | None = field(
+        default=None, metadata={"help": "Embedded conversations the short SFT tokenizes (None: the SFT recipe's)."}
+    )
     dataset_name: str | None = field(
         default=None,
         metadata={
@@ -146,10 +149,8 @@ def load_policy(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArg
             sft_dir = Path(args.output_dir) / "sft"
             source = f"a short SFT of {job.sft_max_steps} steps (no {job.sft_output_dir})"
             if args.process_index == 0:
-                write(
-                    f"no SFT model at {job.sft_output_dir} (recipes/sft.py makes one): {source[: -len(job.sft_output_dir) - 5]} first"
-                )
-            run_short_sft(sft_dir, job.sft_max_steps, args)
+                write(f"no SFT model at {job.sft_output_dir} (recipes/sft.py makes one): a short SFT first")
+            run_short_sft(sft_dir, job.sft_max_steps, args, job.sft_num_examples, model_args)
         model_args = dataclasses.replace(model_args, model_name_or_path=str(sft_dir))
     else:
         source = f"from {model_args.model_name_or_path}"
@@ -159,8 +160,11 @@ def load_policy(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArg
     return model, tokenizer, source
 
 
-def run_short_sft(output_dir: Path, steps: int, args: GRPOArguments) -> None:
-    """The SFT recipe's job, cut to ``steps`` optimizer steps (its cosine schedule included), saved to ``output_dir``."""
+def run_short_sft(
+    output_dir: Path, steps: int, args: GRPOArguments, num_examples: int | None = None, model_args=None
+) -> None:
+    """The SFT recipe's job, cut to ``steps`` optimizer steps (its cosine schedule included), saved to ``output_dir``;
+    the embedded model sized by ``model_args`` (``--embedded_hidden_size``, ``--embedded_num_layers``)."""
     from .sft import DEFAULT_CONFIG as SFT_CONFIG
     from .sft import SFT_ARGUMENTS
     from .sft import main as sft_main
@@ -171,6 +175,11 @@ def run_short_sft(output_dir: Path, steps: int, args: GRPOArguments) -> None:
         "--num_exact_match_examples", "0", "--logging_steps", "40", "--seed", str(args.seed),
         "--disable_tqdm", str(args.disable_tqdm), "--log_level", args.log_level,
     ]  # fmt: skip
+    if num_examples is not None:
+        argv += ["--num_embedded_examples", str(num_examples)]
+    if model_args is not None:
+        argv += ["--embedded_hidden_size", str(model_args.embedded_hidden_size)]
+        argv += ["--embedded_num_layers", str(model_args.embedded_num_layers)]
     sft_main(*parse_args(SFT_ARGUMENTS, argv))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()  # every rank loads what rank 0 saved

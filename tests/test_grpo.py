@@ -208,3 +208,50 @@ def test_hfacc_verify_objective_grpo(capsys):
     assert "PASS" in out and "steps_per_generation 2 (= GA) and 4 (= 2 x GA" in out
     for loss_type in ("token", "sequence", "dr_grpo"):
         assert f"  {loss_type}" in out
+
+
+@pytest.mark.slow
+def test_the_recipe_runs_offline_and_reports_before_and_after(tmp_path, capsys):
+    """`hfacc grpo` (= recipes/grpo.py) on the embedded default, shortened: no SFT output, so a short SFT first; then
+    again from that SFT output. It writes the model, metrics.json and the reward curve, and prints the summary."""
+    from hfacc.cli import main as cli_main
+
+    out = tmp_path / "grpo"
+    short = ["--max_steps", "2", "--num_train_prompts", "32", "--num_eval_prompts", "4", "--logging_steps", "1"]
+    short += ["--per_device_train_batch_size", "8", "--num_generations", "4", "--disable_tqdm", "true"]
+    argv = [
+        "grpo",
+        *short,
+        "--sft_output_dir",
+        str(tmp_path / "none"),
+        "--sft_max_steps",
+        "2",
+        "--output_dir",
+        str(out),
+    ]
+    argv += ["--sft_num_examples", "160", "--embedded_hidden_size", "64"]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "no SFT model at" in printed and "=== hfacc GRPO summary ===" in printed
+    assert "held-out exact match" in printed and "held-out reward" in printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 2 and metrics["policy"].startswith("a short SFT of 2 steps")
+    assert (
+        set(metrics["before"]) >= {"reward", "exact_match", "exact_match_by_task"}
+        and "exact_match" in metrics["after"]
+    )
+    assert metrics["generation_time_s"] > 0 and metrics["training_time_s"] > 0
+    for name in ("model.safetensors", "tokenizer.json", "reward_curve.png", "sft/model.safetensors"):
+        assert (out / name).is_file(), name
+    again = tmp_path / "again"
+    argv = ["grpo", *short, "--max_steps", "1", "--sft_output_dir", str(out / "sft"), "--output_dir", str(again)]
+    assert cli_main(argv) == 0
+    assert json.loads((again / "metrics.json").read_text())["policy"] == f"from {out / 'sft'}"
+
+
+def test_the_recipe_and_hfacc_grpo_share_one_definition_of_the_settings():
+    import hfacc.grpo
+    from tests.helpers import load_recipe, recipe_types
+
+    recipe = load_recipe("grpo")
+    assert recipe.main is hfacc.grpo.main and recipe_types(recipe) == list(hfacc.grpo.GRPO_ARGUMENTS)
