@@ -22,6 +22,7 @@ generation batch, whose halves hold different numbers of tokens.
 import argparse
 import contextlib
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -130,7 +131,7 @@ def speed(args):
     prompts = prompts_dataset(4096)
     results = {"hfacc": [], "trl": []}
     for r in range(args.rounds):
-        for kind in (("hfacc", "trl") if r % 2 == 0 else ("trl", "hfacc")):
+        for kind in ("hfacc", "trl") if r % 2 == 0 else ("trl", "hfacc"):
             model = build_default_model(tokenizer, seed=0).to(args.device)
             run = run_hfacc if kind == "hfacc" else run_trl
             with tempfile.TemporaryDirectory() as out:
@@ -152,12 +153,18 @@ def speed(args):
         model = build_default_model(tokenizer, seed=0).to(args.device)
         run = run_hfacc if kind == "hfacc" else run_trl
         with tempfile.TemporaryDirectory() as out:
-            memory[kind] = peak_memory(lambda run=run, model=model, out=out: run(model, tokenizer, prompts, 1, out, args.device), args.device)
+            memory[kind] = peak_memory(
+                lambda run=run, model=model, out=out: run(model, tokenizer, prompts, 1, out, args.device), args.device
+            )
     print()
-    print(f"{'contender':10s} {'train tok/s':>12s} {'gen tok/s':>10s} {'s/step':>7s} {'gen share':>9s} {'peak MiB':>9s}")
+    print(
+        f"{'contender':10s} {'train tok/s':>12s} {'gen tok/s':>10s} {'s/step':>7s} {'gen share':>9s} {'peak MiB':>9s}"
+    )
     for kind in ("trl", "hfacc"):
         rows = results[kind]
-        med = {k: sorted(x[k] for x in rows)[len(rows) // 2] for k in rows[0]}
+        # Each figure's median over the rounds (statistics.median: the mean of the middle two for an even count, not
+        # the upper one, which would favour whoever had the noisier round).
+        med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
         print(
             f"{kind:10s} {med['train_tok_s']:12.0f} {med['gen_tok_s']:10.0f} {med['step_s']:7.2f} "
             f"{med['gen_share']:9.2f} {memory[kind] / 2**20:9.0f}"
@@ -262,7 +269,9 @@ def normalization():
             output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=GA * 2, num_generations=2,
             max_completion_length=16, report_to=[], use_cpu=True, loss_type="bnpo", beta=0.0, epsilon=0.2,
         )  # fmt: skip
-        trainer = TRLGRPOTrainer(model, [length_reward], config, train_dataset=prompts_dataset(16), processing_class=tokenizer)
+        trainer = TRLGRPOTrainer(
+            model, [length_reward], config, train_dataset=prompts_dataset(16), processing_class=tokenizer
+        )
     model.train()
     rows = fixed_rollout(model, 8, seed=0, vocab=64)
     tokens = sum(len(r["completion"]) for r in rows)
@@ -274,7 +283,9 @@ def normalization():
     print("\nrelative error of the accumulated gradient vs the big batch, fixed rollout of 8 completions "
           f"({[len(r['completion']) for r in rows]} tokens), bs 2 x GA 4:")  # fmt: skip
     for loss_type in ("bnpo", "dapo"):
-        print(f"  TRL loss_type={loss_type!r:9s} {error(trl_gradient(trainer, model, rows, 2, 4, loss_type, tokens)):.2e}")
+        print(
+            f"  TRL loss_type={loss_type!r:9s} {error(trl_gradient(trainer, model, rows, 2, 4, loss_type, tokens)):.2e}"
+        )
     print(f"  hfacc loss_type='token'   {error(hfacc_gradient(model, rows, 2, 4)):.2e}")
     # steps_per_generation = 2 x GA: 16 completions, two optimizer steps of 8 (lr 0: the same weights).
     more = fixed_rollout(model, 16, seed=1, vocab=64)
@@ -284,14 +295,16 @@ def normalization():
     want = big_batch_gradient(model, second)
     print(f"steps_per_generation = 2 x GA, the second step ({sum(len(r['completion']) for r in second)} of "
           f"{generation_tokens} tokens):")  # fmt: skip
-    print(f"  TRL loss_type='dapo'      {error(trl_gradient(trainer, model, second, 2, 4, 'dapo', generation_tokens)):.2e}")
+    print(
+        f"  TRL loss_type='dapo'      {error(trl_gradient(trainer, model, second, 2, 4, 'dapo', generation_tokens)):.2e}"
+    )
     print(f"  hfacc loss_type='token'   {error(hfacc_gradient(model, second, 2, 4)):.2e}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip_speed", action="store_true")
     args = parser.parse_args()
