@@ -73,7 +73,7 @@ COMMANDS = {
     "python -m pytest": ("skip", "the test suite itself (this test is part of it); CI runs it as written"),
     "accelerate launch recipes/grpo.py": (
         "skip",
-        "the GRPO job (~3 min, a short SFT first); tests/test_grpo.py runs the same job shortened",
+        "the GRPO job (~2 min on 2 idle cores, a short SFT first); tests/test_grpo.py runs the same job shortened",
     ),
     "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
         "skip",
