@@ -244,7 +244,8 @@ def test_the_objective_by_name_keeps_its_columns_and_reads_precomputed_reference
     assert isinstance(trainer.objective, PolicyGradientObjective) and relative_error(capture.grads[0], want) <= 1e-6
 
 
-@pytest.mark.parametrize("loss_type, beta", [("token", 0.0), ("sequence", BETA), ("dr_grpo", 0.0)])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("beta", [0.0, BETA])
 def test_one_rollout_over_two_optimizer_steps(tmp_path, setup, loss_type, beta):
     """steps_per_generation = 2 x GA: a 16-completion rollout with the sampler's old log-probs trained as two SGD steps
     of 2 x 4. Each step divides by what *it* consumes; the second runs at the updated weights (ratios move)."""
