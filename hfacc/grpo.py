@@ -126,8 +126,10 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
         "policy": source,
         "train_reward_first": rewards[0] if rewards else None,
         "train_reward_last": rewards[-1] if rewards else None,
-        "generation_time_s": round(sum(h.get("generation_time", 0.0) for h in history), 1),
-        "training_time_s": round(sum(h.get("training_time", 0.0) for h in history), 1),
+        # The whole run's, not the logged intervals' sum (steps after the last logging step count too): generation
+        # on this process, training the rest of train()'s runtime.
+        "generation_time_s": round(trainer.generation_seconds, 3),
+        "training_time_s": round(result.metrics["train_runtime"] - trainer.generation_seconds, 3),
     }
     if main_process:
         if before is not None:
@@ -289,7 +291,7 @@ def format_summary(metrics: dict, output_dir: str) -> str:
                 "  by task: " + ", ".join(f"{t} {was.get(t, 0):.2f}->{s:.2f}" for t, s in sorted(by_task.items()))
             )
     lines += [
-        f"time                 generation {metrics['generation_time_s']} s, training {metrics['training_time_s']} s",
+        f"time                 generation {metrics['generation_time_s']:.1f} s, training {metrics['training_time_s']:.1f} s",
         f"wall time            {metrics.get('wall_time_s')} s",
         f"outputs              {output_dir}",
         "",

@@ -227,6 +227,9 @@ class GRPOTrainer(TokenWeightedTrainer):
         self.rollout_meter = RolloutMeter([get_reward_name(f) for f in funcs], args.num_generations)
         self._logprobs_fused: bool | None = None  # old log-probs from the hidden states in chunks: checked once
         self._generations = 0
+        # This rank's seconds of generation over the whole run (the logged generation_time covers the logged
+        # intervals only: a run whose last steps end between two logging steps would leave them out).
+        self.generation_seconds = 0.0
 
     # ---- where the micro-batches come from -------------------------------------------------------------------
     @property
@@ -277,9 +280,11 @@ class GRPOTrainer(TokenWeightedTrainer):
                 for values, row in zip(batch["old_logps"], rows, strict=False):
                     row["old_logps"] = values[: len(row["input_ids"])].tolist()
         self.rollout = rollout
-        self.rollout_meter.add(rollout, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.rollout_meter.add(rollout, seconds)
+        self.generation_seconds += seconds
         # The rate logged for training leaves the rollout out; it is logged apart (generation_time).
-        self.meter.exclude_time(time.perf_counter() - start)
+        self.meter.exclude_time(seconds)
         return batches
 
     @torch.no_grad()

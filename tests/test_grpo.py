@@ -245,8 +245,10 @@ def test_the_recipe_runs_offline_and_reports_before_and_after(tmp_path, capsys):
         assert (out / name).is_file(), name
     again = tmp_path / "again"
     argv = ["grpo", *short, "--max_steps", "1", "--sft_output_dir", str(out / "sft"), "--output_dir", str(again)]
-    assert cli_main(argv) == 0
-    assert json.loads((again / "metrics.json").read_text())["policy"] == f"from {out / 'sft'}"
+    assert cli_main(argv + ["--logging_steps", "5"]) == 0  # its one step ends before the first logging step
+    metrics = json.loads((again / "metrics.json").read_text())
+    assert metrics["policy"] == f"from {out / 'sft'}"
+    assert metrics["generation_time_s"] > 0 and metrics["training_time_s"] > 0  # the whole run's, logged or not
 
 
 def test_the_recipe_and_hfacc_grpo_share_one_definition_of_the_settings():
