@@ -49,7 +49,8 @@ def save_reward_curve(log_history: list[dict], path: str | Path, title: str = "h
     ax.set_ylabel("mean reward of the sampled completions")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.lines:  # a run shorter than its logging interval logged no reward: an empty plot, no legend warning
+        ax.legend()
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)
