@@ -7,6 +7,7 @@ from .batching import TokenBudgetBatchSampler, pack_dataset, pack_examples
 from .collator import DataCollatorForCausalLM
 from .data import DataArguments, build_sft_dataset, load_sft_source
 from .distributed import get_gradient_scale
+from .grpo_trainer import GRPOArguments, GRPOTrainer
 from .loss import (
     IGNORE_INDEX,
     LossSums,
@@ -27,6 +28,7 @@ from .objectives import (
     ModelLossObjective,
     MultiLabelObjective,
     Objective,
+    PolicyGradientObjective,
     RegressionObjective,
     SequenceClassificationObjective,
     TokenObjective,
@@ -73,6 +75,10 @@ __all__ = [
     "FunctionObjective",
     "LossFunctionObjective",
     "get_objective",
+    # online policy gradients (GRPO, DAPO, Dr. GRPO)
+    "PolicyGradientObjective",
+    "GRPOTrainer",
+    "GRPOArguments",
     # loss math
     "IGNORE_INDEX",
     "LossSums",

@@ -48,6 +48,7 @@ class MicroBatch:
     _accelerator: Any
     _model: nn.Module
     _normalization: str
+    _objective: Objective | None = None
 
     def sync(self) -> contextlib.AbstractContextManager:
         """``accelerator.no_sync(model)`` for all but the last micro-batch; wrap the forward *and* the backward.
@@ -64,13 +65,17 @@ class MicroBatch:
         return self._accelerator.no_sync(self._model)
 
     def scale(self, sums: LossSums) -> torch.Tensor:
-        """The loss to backpropagate for this micro-batch: ``S_j / N * P`` (see :func:`normalize_window_loss`).
+        """The loss to backpropagate for this micro-batch: ``S_j / N * P`` (see :func:`normalize_window_loss`), or
+        the window's objective's own :meth:`hfacc.Objective.loss` (e.g. per completion for GRPO's sequence loss).
 
         ``accelerator.backward`` divides by ``accelerator.gradient_accumulation_steps``; that division is undone
         here, so the result is exact whatever the Accelerator was built with.
         """
         world = get_gradient_scale(self._accelerator.distributed_type, self._accelerator.num_processes)
-        loss = normalize_window_loss(sums, self.window, normalization=self._normalization, world_size=world)
+        if self._objective is not None:  # its own loss: each term over its own unit (policy gradients, pairs)
+            loss = self._objective.loss(sums, self.window, normalization=self._normalization, world_size=world)
+        else:
+            loss = normalize_window_loss(sums, self.window, normalization=self._normalization, world_size=world)
         return loss * getattr(self._accelerator, "gradient_accumulation_steps", 1)
 
 
@@ -105,9 +110,9 @@ def accumulation_window(
         normalization: ``"token"`` (default), ``"sequence"`` or ``"micro_batch"``.
     """
     objective = objective or CausalLMObjective()
-    size = 2
+    size, own = 2, None
     if isinstance(objective, Objective):
-        count, size = objective.count, len(objective.units)
+        count, size, own = objective.count, len(objective.units), objective
     else:
 
         def count(batch):
@@ -116,4 +121,4 @@ def accumulation_window(
 
     window = count_window(count, batches, accelerator, size=size)
     for i, batch in enumerate(batches):
-        yield MicroBatch(batch, i, window, i == len(batches) - 1, accelerator, model, normalization)
+        yield MicroBatch(batch, i, window, i == len(batches) - 1, accelerator, model, normalization, own)

@@ -1,6 +1,7 @@
-"""The ``hfacc`` command: ``hfacc sft``, ``hfacc verify`` and ``hfacc show-mask``.
+"""The ``hfacc`` command: ``hfacc sft``, ``hfacc grpo``, ``hfacc verify`` and ``hfacc show-mask``.
 
 hfacc sft                                      # the job of `accelerate launch recipes/sft.py` (hfacc/sft.py)
+hfacc grpo                                     # the job of `accelerate launch recipes/grpo.py` (hfacc/grpo.py)
 hfacc verify                                   # embedded tiny Llama and data: PASS/FAIL in seconds
 hfacc verify --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name my.jsonl --gradient_accumulation_steps 8
 hfacc verify --config recipes/configs/smollm2-135m_full.yaml
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 COMMANDS = {
     "sft": "fine-tune with loss masking and exact accumulation (the job of recipes/sft.py)",
+    "grpo": "online RL (GRPO, DAPO, Dr. GRPO) with exact accumulation (the job of recipes/grpo.py)",
     "verify": "check that accumulation equals one big batch for a model and data",
     "show-mask": "print examples with the tokens that carry loss highlighted",
 }
@@ -45,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         from .sft import cli
 
         return cli(rest)
+    if command == "grpo":
+        from .grpo import cli as grpo_cli
+
+        return grpo_cli(rest)
     from .console import pop_debug_flag, setup_console, user_errors
 
     setup_console()  # warnings as plain lines; no bars for the handful of rows these commands tokenize
@@ -79,6 +85,8 @@ def run_verify(argv: list[str], guard) -> int:
     )
     # Extra rows: some may be dropped (no target left after truncation).
     examples = build_examples(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
+    if verify_args.objective == "grpo":  # a fixed rollout of the model on the data's prompts
+        return _verify_policy_gradient(verify_args, model, tokenizer, examples, accelerator)
     if is_vision_processor(tokenizer):  # a vision-language model's processor: images decoded per micro-batch
         collate = DataCollatorForVisionLM(tokenizer)
     else:
@@ -95,6 +103,35 @@ def run_verify(argv: list[str], guard) -> int:
         path=verify_args.path,
         precisions=verify_args.precisions,
         num_worst=verify_args.num_worst,
+        accelerator=accelerator,
+        seed=verify_args.seed,
+        fused_loss=verify_args.fused_loss,
+    )
+    if accelerator.is_main_process:
+        print(report.format(), flush=True)
+        if verify_args.json_path:
+            with open(verify_args.json_path, "w") as f:
+                json.dump(report.to_dict(), f, indent=2, default=str)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return 0 if report.passed else 1
+
+
+def _verify_policy_gradient(verify_args, model, tokenizer, examples, accelerator) -> int:
+    from .verify import verify_policy_gradient
+
+    # Each example's prompt: its tokens before the first target (the completion is sampled from the model).
+    prompts = []
+    for example in examples:
+        first = next((i for i, y in enumerate(example["labels"]) if y != -100), len(example["labels"]))
+        prompts.append(list(example["input_ids"][: max(first, 1)]))
+    report = verify_policy_gradient(
+        model,
+        tokenizer,
+        prompts,
+        micro_batch_size=verify_args.per_device_train_batch_size,
+        gradient_accumulation_steps=verify_args.gradient_accumulation_steps,
+        tolerance=verify_args.tolerance,
         accelerator=accelerator,
         seed=verify_args.seed,
         fused_loss=verify_args.fused_loss,

@@ -13,6 +13,11 @@ from .loss import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
+# Entries of policy-gradient rollout rows (hfacc.PolicyGradientObjective) the collator carries: one float per row, and
+# per-token floats aligned with input_ids.
+ROW_FLOATS = ("advantages",)
+TOKEN_FLOATS = ("old_logps", "ref_logps")
+
 
 @dataclass
 class DataCollatorForCausalLM:
@@ -26,6 +31,8 @@ class DataCollatorForCausalLM:
         max_length: truncate longer examples to this many tokens (``None``: no truncation here).
 
     Examples keep their ``labels``; an example without labels is trained on every token (``labels = input_ids``).
+    Policy-gradient rollout rows also keep ``advantages`` (one float per row, ``[B]``) and ``old_logps`` /
+    ``ref_logps`` (one float per token, padded with 0: ``[B, T]``).
     Packed rows (examples with ``position_ids``, or with TRL's ``seq_lengths``: the length of each sequence in the
     row) get ``position_ids`` that restart per sequence and no ``attention_mask``: see
     :func:`hfacc.batching.pack_examples`. Their targets never cross a sequence boundary
@@ -72,6 +79,18 @@ class DataCollatorForCausalLM:
             "attention_mask": _pad([[1] * len(x) for x in ids], length, 0),
             "labels": _pad(labels, length, IGNORE_INDEX),
         }
+        # Rollout rows (hfacc.PolicyGradientObjective): one float per row, and per-token floats aligned with
+        # input_ids (0 on padding, which is never a target).
+        for key in ROW_FLOATS:
+            if all(e.get(key) is not None for e in examples):
+                batch[key] = torch.tensor([float(e[key]) for e in examples], dtype=torch.float32)
+        for key in TOKEN_FLOATS:
+            if all(e.get(key) is not None for e in examples):
+                values = [list(e[key])[: self.max_length] for e in examples]
+                for i, (x, v) in enumerate(zip(ids, values, strict=True)):
+                    if len(v) != len(x):
+                        raise ValueError(f"example {i} of the micro-batch: {len(x)} input_ids but {len(v)} {key}")
+                batch[key] = _pad(values, length, 0.0, torch.float32)
         if all(e.get("position_ids") is None and e.get("seq_lengths") is not None for e in examples):
             examples = [{**e, "position_ids": _positions_from_lengths(e, i)} for i, e in enumerate(examples)]
         if all(e.get("position_ids") is not None for e in examples):
@@ -104,10 +123,10 @@ def _positions_from_lengths(example: dict[str, Any], index: int) -> list[int]:
     return [p for n in lengths for p in range(n)]
 
 
-def _pad(rows: Sequence[Sequence[int]], length: int, value: int) -> torch.Tensor:
-    out = torch.full((len(rows), length), value, dtype=torch.long)
+def _pad(rows: Sequence[Sequence[float]], length: int, value: float, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    out = torch.full((len(rows), length), value, dtype=dtype)
     for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+        out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
     return out
 
 

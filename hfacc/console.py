@@ -346,8 +346,12 @@ def format_train_log(logs: dict[str, float], prefix: str = "") -> str:
     parts = [f"loss {loss:.4f}" if loss is not None else "no step applied"]
     if prefix + "token_accuracy" in logs:
         parts.append(f"token acc {logs[prefix + 'token_accuracy']:.3f}")
+    if prefix + "reward" in logs:  # online RL (GRPOTrainer): the sampled completions' mean reward
+        parts.append(f"reward {logs[prefix + 'reward']:.3f}")
     if "target_tokens_per_second" in logs:
         parts.append(f"{logs['target_tokens_per_second']:,.0f} target tok/s")
+    if "completion_tokens_per_second" in logs:
+        parts.append(f"{logs['completion_tokens_per_second']:,.0f} completion tok/s")
     if logs.get(prefix + "skipped_steps"):
         parts.append(f"skipped steps {logs[prefix + 'skipped_steps']}")
     if "accumulation_audit_error" in logs:

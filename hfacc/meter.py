@@ -47,6 +47,14 @@ class LossMeter:
         self.interval_targets += window.num_targets
         self.run_targets += window.num_targets
 
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` of other work (an online trainer's generation) out of the interval's training rate."""
+        self.interval_start += seconds
+
+    def training_seconds(self) -> float:
+        """Seconds of the interval so far that were spent training (what the logged rate divides by)."""
+        return time.perf_counter() - self.interval_start
+
     def interval_logs(self, accelerator, objective) -> dict[str, float]:
         now = time.perf_counter()
         logs = self._logs(self.interval, accelerator, objective, "")

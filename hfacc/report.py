@@ -32,6 +32,32 @@ def save_loss_curve(log_history: list[dict], path: str | Path, title: str = "hfa
     return path
 
 
+def save_reward_curve(log_history: list[dict], path: str | Path, title: str = "hfacc GRPO") -> Path:
+    """Plot the mean sampled reward per logging step (and each reward function's), as an online run logs them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+    keys = ["reward"] + sorted({k for h in log_history for k in h if k.startswith("rewards/") and k.endswith("/mean")})
+    for key in keys:
+        points = [(h["step"], h[key]) for h in log_history if key in h and "step" in h]
+        if points:
+            ax.plot(*zip(*points, strict=True), label=key if key != "reward" else "reward (weighted total)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean reward of the sampled completions")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if ax.lines:  # a run shorter than its logging interval logged no reward: an empty plot, no legend warning
+        ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def write_json(data: dict, path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")

@@ -61,7 +61,7 @@ from .hashing import hashing_writes, relative_digests
 from .meter import LossMeter
 from .model_setup import ModelSetup, build_model_setup
 from .multimodal import IMAGE_COLUMN
-from .objectives import ModelLossObjective, Objective
+from .objectives import OBJECTIVES, ModelLossObjective, Objective
 from .padding_free import padded_neftune_noise, remove_padding
 from .step_gate import NonFiniteLossError, StepGate
 from .streaming import (
@@ -276,12 +276,9 @@ class TokenWeightedTrainer(Trainer):
         # it reads itself (Objective.columns).
         super()._set_signature_columns_if_needed()
         # And the image references DataCollatorForVisionLM decodes (hfacc.vision): the model takes pixels, not them.
-        wanted = (
-            "position_ids",
-            "seq_lengths",
-            IMAGE_COLUMN,
-            *(self.objective.columns if self.objective is not None else ()),
-        )
+        # An objective named in the settings (objective="grpo") reads its columns too: its class says which.
+        objective = self.objective if self.objective is not None else OBJECTIVES.get(self._objective_setting)
+        wanted = ("position_ids", "seq_lengths", IMAGE_COLUMN, *(objective.columns if objective is not None else ()))
         self._signature_columns += [c for c in wanted if c not in self._signature_columns]
 
     # ---- the loss: once per micro-batch ---------------------------------------------------------------------

@@ -326,9 +326,246 @@ def _to(batch, device):
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+# ---- policy gradients: a fixed rollout of the model, split over micro-batches, ranks and optimizer steps ----------
+@dataclass
+class PolicyGradientVerifyReport:
+    """``hfacc verify --objective grpo``: per loss type, the accumulated steps of one rollout vs their big batches.
+
+    ``errors[loss_type][f"spg={n}"]`` lists each optimizer step's relative error (steps_per_generation = n
+    micro-batches); ``micro_batch_errors`` is what normalizing each micro-batch by its own units and dividing by GA
+    gives instead (TRL's ``bnpo``; its GRPO and Dr. GRPO divided by GA), ``generation_errors`` what dividing by the
+    whole generation batch's units gives when a generation serves two steps.
+    """
+
+    passed: bool
+    tolerance: float
+    errors: dict[str, dict[str, list[float]]]
+    micro_batch_errors: dict[str, float]
+    generation_errors: dict[str, float]
+    rollout: dict[str, Any]
+    findings: list[Finding]
+    model: str
+
+    def format(self) -> str:
+        r = self.rollout
+        lines = [
+            "hfacc verify --objective grpo: does each optimizer step of a rollout give its big batch's update?",
+            "",
+            f"model       {self.model}",
+            f"rollout     {r['completions']} completions sampled from the model ({r['num_generations']} per prompt, "
+            f"up to {r['max_completion_length']} tokens: {r['completion_tokens']} completion tokens), "
+            f"{r['clipped_share']:.0%} of the ratios clipped",
+            f"split       {r['micro_batch_size']} per micro-batch x {r['accumulation_steps']} micro-batches x "
+            f"{r['world_size']} rank(s); steps_per_generation {' and '.join(r['steps_per_generation'])}",
+            f"loss        {r['loss_path']}, beta {r['beta']} (k3 KL to a reference)",
+            "",
+            "relative error of each optimizer step's gradient vs one big batch of what that step consumes (fp32):",
+        ]
+        for loss_type, by_split in self.errors.items():
+            splits = "   ".join(f"{split}: {', '.join(f'{e:.1e}' for e in errs)}" for split, errs in by_split.items())
+            lines.append(f"  {loss_type:<9s} {splits}")
+        lines += ["for comparison:"]
+        for loss_type, err in self.micro_batch_errors.items():
+            lines.append(f"  {loss_type:<9s} each micro-batch over its own units, / GA: {err:.2e}")
+        for loss_type, err in self.generation_errors.items():
+            lines.append(
+                f"  {loss_type:<9s} two steps per generation, divided by the generation batch's units: {err:.2e}"
+            )
+        lines += ["", "checks:"]
+        for f in self.findings:
+            lines.append(f"  [{'ok' if f.ok else '!!'}] {f.name}: {f.message}")
+            if not f.ok and f.fix:
+                lines.append(f"       fix: {f.fix}")
+        worst = max((e for by in self.errors.values() for errs in by.values() for e in errs), default=0.0)
+        verdict = "PASS" if self.passed else "FAIL"
+        lines += [
+            "",
+            f"{verdict}: worst relative error {worst:.2e} {'<=' if self.passed else '>'} {self.tolerance:.0e}",
+        ]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["findings"] = [f.__dict__ for f in self.findings]
+        return data
+
+
+def verify_policy_gradient(
+    model: nn.Module,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    *,
+    micro_batch_size: int = 2,
+    gradient_accumulation_steps: int = 4,
+    num_generations: int = 2,
+    max_completion_length: int = 16,
+    beta: float = 0.04,
+    tolerance: float = 1e-5,
+    accelerator=None,
+    seed: int = 0,
+    fused_loss: bool = True,
+) -> PolicyGradientVerifyReport:
+    """Sample a fixed rollout from ``model`` and check, for every loss type, that each optimizer step of it —
+    ``steps_per_generation`` = GA and 2 x GA, over the ranks of ``accelerator`` — gives the gradient of one big batch
+    of what that step consumes.
+
+    The rollout is made hard on purpose: completions cut at seeded random lengths, seeded random rewards (group
+    advantages), old log-probs and reference
+    log-probs that are the model's own plus noise (so ratios are clipped on both sides and the KL term is not zero).
+    Each rank samples for its own prompts; every rank then holds all rows, for the reference. The accumulation runs
+    as training does (the window's counts over all ranks, the loss path training would choose, DDP's ``no_sync``);
+    the reference is the plain path (full logits) on one batch.
+    """
+    from .collator import DataCollatorForCausalLM
+    from .objectives.policy_gradient import LOSS_TYPES, PolicyGradientObjective
+    from .rollout import SamplingSettings, build_rollout_rows, group_advantages, sample_completions
+
+    if accelerator is None:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=not torch.accelerator.is_available())
+    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
+    base = get_base_model(model)
+    if any(p.dtype != torch.float32 for p in base.parameters() if p.is_floating_point()):
+        model = base = copy.deepcopy(base).float()
+    ga, spgs = gradient_accumulation_steps, (gradient_accumulation_steps, 2 * gradient_accumulation_steps)
+    per_rank = micro_batch_size * spgs[-1]  # completions per rank of the larger generation batch
+    if per_rank % num_generations:
+        raise ValueError(f"micro_batch_size x 2 x GA = {per_rank} completions must be a multiple of num_generations.")
+    prompts = per_rank // num_generations
+    if len(prompt_ids) < prompts * world:
+        raise ValueError(f"verify needs {prompts * world} prompts for the rollout; got {len(prompt_ids)}.")
+    mine = [list(p) for p in prompt_ids[rank * prompts : (rank + 1) * prompts] for _ in range(num_generations)]
+    torch.manual_seed(seed + rank)
+    model.eval()
+    completions, _ = sample_completions(model, tokenizer, mine, SamplingSettings(max_completion_length))
+    generator = torch.Generator().manual_seed(seed + 100 + rank)
+    # Each completion is cut at a seeded random length: micro-batches then hold different numbers of tokens and
+    # completions, which is what the normalizer must get right (an untrained model samples only full lengths).
+    cuts = torch.randint(1, max_completion_length + 1, (len(completions),), generator=generator).tolist()
+    completions = [c[: max(1, min(n, len(c)))] for c, n in zip(completions, cuts, strict=True)]
+    rewards = torch.rand(len(completions), generator=generator, dtype=torch.float64)
+    rows = build_rollout_rows(mine, completions, group_advantages(rewards, num_generations).tolist())
+    collate = DataCollatorForCausalLM(tokenizer.pad_token_id)
+    with torch.no_grad():  # the old policy and the reference: the model's log-probs, moved by noise
+        for row in rows:
+            ids = torch.tensor([row["input_ids"]], device=device)
+            logp = base(input_ids=ids).logits[0, :-1].float().log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0].cpu()
+            for key, scale in (("old_logps", 0.3), ("ref_logps", 0.5)):
+                noisy = logp + scale * torch.randn(logp.shape, generator=generator)
+                row[key] = [0.0] + noisy.tolist()
+    everyone = rows
+    if world > 1:
+        from accelerate.utils import gather_object
+
+        everyone = gather_object([rows])  # one list per rank, in rank order
+        everyone = [row for part in everyone for row in part]
+    model.train()
+    first = _to(collate(rows[:micro_batch_size]), device)
+    setup = build_model_setup(
+        model,
+        first,
+        accelerator,
+        objective=PolicyGradientObjective(beta=beta),
+        padding_free=False,
+        fused_loss=fused_loss,
+    )
+    wrapped = accelerator.prepare_model(model) if world > 1 else model
+    named = [(n, p) for n, p in base.named_parameters() if p.requires_grad]
+    scale = get_gradient_scale(accelerator.distributed_type, world)
+
+    def step_gradient(objective, step_rows, normalization="token", counts=None):
+        clear_grads(named)
+        batches = [
+            _to(collate(step_rows[i : i + micro_batch_size]), device)
+            for i in range(0, len(step_rows), micro_batch_size)
+        ]
+        window = counts or count_window(objective.count, batches, accelerator, size=len(objective.units))
+        for i, batch in enumerate(batches):
+            sync = contextlib.nullcontext() if i == len(batches) - 1 or world == 1 else accelerator.no_sync(wrapped)
+            with sync:
+                loss, _, _ = compute_micro_batch_loss(
+                    objective, wrapped, batch, window, normalization=normalization, world_size=scale
+                )
+                loss.backward()
+        return flatten_grads(named), window
+
+    def big_batch_gradient(objective, step_rows):
+        clear_grads(named)
+        plain = copy.copy(objective)
+        plain.fused = False
+        batch = _to(collate(step_rows), device)
+        _, sums = plain(base, batch)
+        units = tuple(plain.count(batch).tolist())
+        plain.loss(sums, WindowCounts(units[0], units[1], 1, units)).backward()
+        return flatten_grads(named)
+
+    def rank_rows(step, size):  # the rows optimizer step `step` consumes on each rank, and on all of them
+        local = slice(step * size, (step + 1) * size)
+        per = len(rows)
+        return rows[local], [r for k in range(world) for r in everyone[k * per : (k + 1) * per][local]]
+
+    errors, micro, generation, clipped = {}, {}, {}, []
+    for loss_type in LOSS_TYPES:
+        objective = PolicyGradientObjective(loss_type, beta=beta, max_completion_length=max_completion_length)
+        objective.fused, objective.chunk_size = setup.objective.fused, setup.objective.chunk_size
+        errors[loss_type] = {}
+        for spg in spgs:
+            size = micro_batch_size * ga
+            found = []
+            for step in range(spg // ga):
+                local, step_all = rank_rows(step, size)
+                got, _ = step_gradient(objective, local)
+                found.append(relative_error(got, big_batch_gradient(objective, step_all)))
+            errors[loss_type][f"spg={spg}"] = found
+        local, step_all = rank_rows(0, micro_batch_size * ga)
+        want = big_batch_gradient(objective, step_all)
+        micro[loss_type] = relative_error(step_gradient(objective, local, "micro_batch")[0], want)
+        # Both steps' rows counted as one window (the generation batch), applied to the first step's rows.
+        whole = count_window(objective.count, [_to(collate(rows), device)], accelerator, size=len(objective.units))
+        generation[loss_type] = relative_error(step_gradient(objective, local, counts=whole)[0], want)
+    with torch.no_grad():
+        batch = _to(collate(rows), device)
+        _, sums = setup.objective(base, batch)
+        clipped.append(float((sums.clipped_low + sums.clipped_high) / sums.num_tokens.clamp(min=1)))
+    clear_grads(named)
+    plain_batch = {k: first[k] for k in ("input_ids", "attention_mask")}
+    findings = [
+        f for f in diagnose(model, setup.objective, plain_batch, "hfacc", "token", None, []) if f.name != "objective"
+    ]
+    worst = max(e for by in errors.values() for errs in by.values() for e in errs)
+    return PolicyGradientVerifyReport(
+        passed=bool(worst <= tolerance) and all(f.ok for f in findings),
+        tolerance=tolerance,
+        errors=errors,
+        micro_batch_errors=micro,
+        generation_errors=generation,
+        rollout={
+            "completions": len(everyone),
+            "num_generations": num_generations,
+            "max_completion_length": max_completion_length,
+            "completion_tokens": sum(len(c) for c in completions)
+            if world == 1
+            else sum(sum(1 for y in r["labels"] if y != -100) for r in everyone),
+            "clipped_share": clipped[0],
+            "micro_batch_size": micro_batch_size,
+            "accumulation_steps": ga,
+            "world_size": world,
+            "steps_per_generation": [f"{spgs[0]} (= GA)", f"{spgs[1]} (= 2 x GA: two optimizer steps)"],
+            "loss_path": "chunked log-probs from the hidden states" if setup.objective.fused else "full logits",
+            "beta": beta,
+        },
+        findings=findings,
+        model=f"{type(base).__name__}, {sum(p.numel() for _, p in named) / 1e6:.2f} M trainable parameters, "
+        "checked in fp32",
+    )
+
+
 __all__ = [
     "VerifyArguments",
     "VerifyReport",
+    "PolicyGradientVerifyReport",
+    "verify_policy_gradient",
     "Finding",
     "verify_accumulation",
     "diagnose",

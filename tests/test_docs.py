@@ -75,6 +75,10 @@ COMMANDS = {
         "the offline vision-language example (~2 min); tests/test_vision.py runs the same config shortened",
     ),
     "python -m pytest": ("skip", "the test suite itself (this test is part of it); CI runs it as written"),
+    "accelerate launch recipes/grpo.py": (
+        "skip",
+        "the GRPO job (~2 min on 2 idle cores, a short SFT first); tests/test_grpo.py runs the same job shortened",
+    ),
     "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
         "skip",
         "downloads Qwen2.5-0.5B-Instruct and its dataset from the Hub",

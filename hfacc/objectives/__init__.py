@@ -6,6 +6,7 @@
 - :mod:`~hfacc.objectives.heads`: token labels, sequence classification, multi-label, regression, the model's own loss;
 - :mod:`~hfacc.objectives.function`: objectives from the user's functions (``FunctionObjective``,
   ``compute_loss_func``);
+- :mod:`~hfacc.objectives.policy_gradient`: the clipped policy-gradient loss of the GRPO family on rollout rows;
 - :mod:`~hfacc.objectives.choice`: :func:`get_objective`, which one a model calls for (``objective="auto"``).
 
 A new loss is a new module here, next to these: it subclasses :class:`Objective`, and the trainer needs no branch.
@@ -22,6 +23,7 @@ from .heads import (
     SequenceClassificationObjective,
     TokenObjective,
 )
+from .policy_gradient import PolicyGradientObjective
 
 __all__ = [
     "Objective",
@@ -35,6 +37,7 @@ __all__ = [
     "ModelLossObjective",
     "FunctionObjective",
     "LossFunctionObjective",
+    "PolicyGradientObjective",
     "OBJECTIVES",
     "get_objective",
 ]

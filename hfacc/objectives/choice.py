@@ -20,6 +20,7 @@ from .heads import (
     SequenceClassificationObjective,
     TokenObjective,
 )
+from .policy_gradient import PolicyGradientObjective
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ OBJECTIVES = {
         MultiLabelObjective,
         RegressionObjective,
         ModelLossObjective,
+        PolicyGradientObjective,
     )
 }
 
@@ -69,6 +71,8 @@ def _pick_objective(model: nn.Module, batch: Mapping[str, Any], name: str, label
             raise ValueError(f"objective must be 'auto' or one of {sorted(OBJECTIVES)}, got {name!r}")
         if name == "token":
             return TokenObjective(label_smoothing, encoder_decoder=is_encoder_decoder)
+        if name == PolicyGradientObjective.name:  # its settings are its own (loss_type, epsilon, ...): the defaults
+            return PolicyGradientObjective()
         return OBJECTIVES[name](label_smoothing)
 
     labels = batch.get("labels")

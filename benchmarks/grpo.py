@@ -1,0 +1,318 @@
+"""GRPO: hfacc's GRPOTrainer vs TRL's GRPOTrainer, and how exact each one's step is on a fixed rollout.
+
+    python benchmarks/grpo.py                 # CPU, fp32: the numbers in benchmarks/README.md
+    python benchmarks/grpo.py --steps 8 --rounds 3 --device cuda
+
+Part 1, speed and memory. Same model (the embedded default: Llama, 2 layers, hidden 256, the recipe's BPE
+vocabulary), same prompts (the embedded tasks, as chat), num_generations 8, max_completion_length 32, 32
+completions per micro-batch x GA 2 (8 prompts per step), loss 'dapo' / 'token', beta 0, Adam; each trainer runs
+--steps optimizer steps per round, rounds alternate the order, the first step of a round is dropped (warm-up).
+Generation time is measured the same way for both (a timer around each trainer's own generate-and-score function);
+training time is the rest of the step. Reported: completion tokens trained per second of training, completion
+tokens sampled per second of generation, and peak memory of one whole step (PyTorch profiler allocation events on
+CPU, torch.cuda.max_memory_allocated on a GPU).
+
+Part 2, normalization on a fixed rollout (8 completions of 1-14 tokens, advantages, old log-probs that clip ratios on
+both sides; tests/rollouts.py builds the same kind): the gradient of bs 2 x GA 4 against the hand-written big batch,
+for TRL's own loss code (GRPOTrainer._compute_loss, called per micro-batch as its training step does, with its
+num_items_in_batch) and for hfacc's. Also steps_per_generation = 2 x GA: the second step of a 16-completion
+generation batch, whose halves hold different numbers of tokens.
+"""
+
+import argparse
+import contextlib
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from datasets import Dataset  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from hfacc import GRPOArguments, GRPOTrainer, build_tiny_llama  # noqa: E402
+from hfacc.embedded import build_default_model, build_default_tokenizer, generate_instruction_examples  # noqa: E402
+from hfacc.memory import peak_memory  # noqa: E402
+
+BS, GA, G, L = 32, 2, 8, 32
+
+
+def length_reward(prompts, completions, **kwargs):
+    """Any reward will do for timing; this one varies, so advantages are not all zero."""
+    return [len(c[0]["content"]) / 100 for c in completions]
+
+
+def prompts_dataset(n):
+    rows = []
+    for e in generate_instruction_examples(n, seed=11):
+        rows.append({"prompt": e["messages"][:-1]})
+    return Dataset.from_list(rows)
+
+
+class Timer(TrainerCallback):
+    """Wall time of each optimizer step, and the generation time inside it (added by the wrapped generator)."""
+
+    def __init__(self):
+        self.steps, self.generation, self._start, self._gen = [], [], None, 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        # The step's rollout is drawn before on_step_begin in hfacc (get_batch_samples) and inside the step in TRL
+        # (training_step): both are counted, as generation time, in the step they serve.
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        now = time.perf_counter()
+        self.steps.append(now - self._start)
+        self.generation.append(self._gen)
+        self._start, self._gen = now, 0.0
+
+    def wrap(self, obj, name):
+        original = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._gen += time.perf_counter() - start
+
+        setattr(obj, name, timed)
+
+
+def completion_tokens(trainer, kind):
+    """Completion tokens trained per step, as each trainer logs them."""
+    history = trainer.state.log_history
+    if kind == "hfacc":
+        return [h["num_completion_tokens"] for h in history if "num_completion_tokens" in h]
+    return [h["completions/mean_length"] * BS * GA for h in history if "completions/mean_length" in h]
+
+
+def run_hfacc(model, tokenizer, prompts, steps, out, device):
+    args = GRPOArguments(
+        output_dir=out, per_device_train_batch_size=BS, gradient_accumulation_steps=GA, num_generations=G,
+        max_completion_length=L, max_steps=steps, learning_rate=1e-5, logging_steps=1, report_to=[],
+        save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, loss_type="token", seed=0,
+    )  # fmt: skip
+    trainer = GRPOTrainer(model, [length_reward], args, train_dataset=prompts, processing_class=tokenizer)
+    timer = Timer()
+    timer.wrap(trainer, "generate_micro_batches")
+    trainer.add_callback(timer)
+    trainer.train()
+    return trainer, timer
+
+
+def run_trl(model, tokenizer, prompts, steps, out, device):
+    from trl import GRPOConfig
+    from trl import GRPOTrainer as TRLGRPOTrainer
+
+    args = GRPOConfig(
+        output_dir=out, per_device_train_batch_size=BS, gradient_accumulation_steps=GA, num_generations=G,
+        max_completion_length=L, max_steps=steps, learning_rate=1e-5, logging_steps=1, report_to=[],
+        save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, loss_type="dapo", beta=0.0, seed=0,
+        top_k=0,
+    )  # fmt: skip
+    trainer = TRLGRPOTrainer(model, [length_reward], args, train_dataset=prompts, processing_class=tokenizer)
+    timer = Timer()
+    timer.wrap(trainer, "_generate_and_score_completions")
+    trainer.add_callback(timer)
+    trainer.train()
+    return trainer, timer
+
+
+def speed(args):
+    tokenizer = build_default_tokenizer()
+    prompts = prompts_dataset(4096)
+    results = {"hfacc": [], "trl": []}
+    for r in range(args.rounds):
+        for kind in ("hfacc", "trl") if r % 2 == 0 else ("trl", "hfacc"):
+            model = build_default_model(tokenizer, seed=0).to(args.device)
+            run = run_hfacc if kind == "hfacc" else run_trl
+            with tempfile.TemporaryDirectory() as out:
+                trainer, timer = run(model, tokenizer, prompts, args.steps, out, args.device)
+            tokens = completion_tokens(trainer, kind)[1:]
+            steps, gen = timer.steps[1:], timer.generation[1:]
+            train_time = sum(s - g for s, g in zip(steps, gen, strict=True))
+            results[kind].append(
+                {
+                    "train_tok_s": sum(tokens) / train_time,
+                    "gen_tok_s": sum(tokens) / sum(gen),
+                    "step_s": sum(steps) / len(steps),
+                    "gen_share": sum(gen) / sum(steps),
+                }
+            )
+            print(f"round {r + 1} {kind:6s} " + "  ".join(f"{k} {v:.2f}" for k, v in results[kind][-1].items()))
+    memory = {}
+    for kind in ("hfacc", "trl"):
+        model = build_default_model(tokenizer, seed=0).to(args.device)
+        run = run_hfacc if kind == "hfacc" else run_trl
+        with tempfile.TemporaryDirectory() as out:
+            memory[kind] = peak_memory(
+                lambda run=run, model=model, out=out: run(model, tokenizer, prompts, 1, out, args.device), args.device
+            )
+    print()
+    print(
+        f"{'contender':10s} {'train tok/s':>12s} {'gen tok/s':>10s} {'s/step':>7s} {'gen share':>9s} {'peak MiB':>9s}"
+    )
+    for kind in ("trl", "hfacc"):
+        rows = results[kind]
+        # Each figure's median over the rounds (statistics.median: the mean of the middle two for an even count, not
+        # the upper one, which would favour whoever had the noisier round).
+        med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+        print(
+            f"{kind:10s} {med['train_tok_s']:12.0f} {med['gen_tok_s']:10.0f} {med['step_s']:7.2f} "
+            f"{med['gen_share']:9.2f} {memory[kind] / 2**20:9.0f}"
+        )
+
+
+# ---- part 2: normalization on a fixed rollout ----------------------------------------------------------------------
+def fixed_rollout(model, n, seed, vocab):
+    rng, noise = random.Random(seed), torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        p, c = rng.randint(2, 12), rng.randint(1, 14)
+        ids = [rng.randrange(1, vocab) for _ in range(p + c)]
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            logp = model(input_ids=x).logits[0, :-1].log_softmax(-1).gather(1, x[0, 1:, None])[:, 0]
+        old = (logp + 0.4 * torch.randn(logp.shape, generator=noise)).tolist()
+        rows.append({"prompt": ids[:p], "completion": ids[p:], "advantage": rng.gauss(0, 1), "old": old[p - 1 :]})
+    return rows
+
+
+def big_batch_gradient(model, rows, eps=0.2):
+    model.zero_grad()
+    losses = []
+    for r in rows:
+        ids = torch.tensor([r["prompt"] + r["completion"]])
+        logp = model(input_ids=ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]
+        logp = logp[len(r["prompt"]) - 1 :]
+        ratio = torch.exp(logp - torch.tensor(r["old"]))
+        a = r["advantage"]
+        losses.append(-torch.minimum(ratio * a, ratio.clamp(1 - eps, 1 + eps) * a))
+    (torch.cat(losses).sum() / sum(len(x) for x in losses)).backward()
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    return grad
+
+
+def trl_inputs(rows, num_items):
+    """TRL's micro-batch inputs: left-padded prompts, right-padded completions, masks, advantages, old log-probs."""
+    width_p, width_c = max(len(r["prompt"]) for r in rows), max(len(r["completion"]) for r in rows)
+    batch = {k: torch.zeros(len(rows), w, dtype=torch.long) for k, w in
+             (("prompt_ids", width_p), ("prompt_mask", width_p), ("completion_ids", width_c), ("completion_mask", width_c))}  # fmt: skip
+    old = torch.zeros(len(rows), width_c)
+    for i, r in enumerate(rows):
+        p, c = len(r["prompt"]), len(r["completion"])
+        batch["prompt_ids"][i, width_p - p :] = torch.tensor(r["prompt"])
+        batch["prompt_mask"][i, width_p - p :] = 1
+        batch["completion_ids"][i, :c] = torch.tensor(r["completion"])
+        batch["completion_mask"][i, :c] = 1
+        old[i, :c] = torch.tensor(r["old"])
+    batch["advantages"] = torch.tensor([r["advantage"] for r in rows])
+    batch["old_per_token_logps"] = old
+    batch["num_items_in_batch"] = torch.tensor(float(num_items))
+    return batch
+
+
+def trl_gradient(trainer, model, rows, bs, ga, loss_type, generation_tokens):
+    trainer.loss_type, trainer.args.loss_type = loss_type, loss_type
+    trainer.current_gradient_accumulation_steps = ga
+    model.zero_grad()
+    for i in range(0, len(rows), bs):
+        trainer._compute_loss(model, trl_inputs(rows[i : i + bs], generation_tokens)).backward()
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    return grad
+
+
+def hfacc_gradient(model, rows, bs, ga):
+    from hfacc import DataCollatorForCausalLM, PolicyGradientObjective
+    from hfacc.window import compute_micro_batch_loss, count_window
+
+    objective = PolicyGradientObjective("token")
+    collate = DataCollatorForCausalLM(0)
+    examples = [
+        {
+            "input_ids": r["prompt"] + r["completion"],
+            "labels": [-100] * len(r["prompt"]) + r["completion"],
+            "advantages": r["advantage"],
+            "old_logps": [0.0] * len(r["prompt"]) + r["old"],
+        }
+        for r in rows
+    ]
+    batches = [collate(examples[i : i + bs]) for i in range(0, len(examples), bs)]
+    cpu = type("CPU", (), {"device": torch.device("cpu"), "num_processes": 1})
+    counts = count_window(objective.count, batches, cpu, size=2)
+    model.zero_grad()
+    for batch in batches:
+        compute_micro_batch_loss(objective, model, batch, counts)[0].backward()
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    return grad
+
+
+def normalization():
+    from trl import GRPOConfig
+    from trl import GRPOTrainer as TRLGRPOTrainer
+
+    tokenizer = build_default_tokenizer()
+    model = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, seed=0)
+    with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(sys.stderr):
+        config = GRPOConfig(
+            output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=GA * 2, num_generations=2,
+            max_completion_length=16, report_to=[], use_cpu=True, loss_type="bnpo", beta=0.0, epsilon=0.2,
+        )  # fmt: skip
+        trainer = TRLGRPOTrainer(
+            model, [length_reward], config, train_dataset=prompts_dataset(16), processing_class=tokenizer
+        )
+    model.train()
+    rows = fixed_rollout(model, 8, seed=0, vocab=64)
+    tokens = sum(len(r["completion"]) for r in rows)
+    want = big_batch_gradient(model, rows)
+
+    def error(grad):
+        return ((grad - want).norm() / want.norm()).item()
+
+    print("\nrelative error of the accumulated gradient vs the big batch, fixed rollout of 8 completions "
+          f"({[len(r['completion']) for r in rows]} tokens), bs 2 x GA 4:")  # fmt: skip
+    for loss_type in ("bnpo", "dapo"):
+        print(
+            f"  TRL loss_type={loss_type!r:9s} {error(trl_gradient(trainer, model, rows, 2, 4, loss_type, tokens)):.2e}"
+        )
+    print(f"  hfacc loss_type='token'   {error(hfacc_gradient(model, rows, 2, 4)):.2e}")
+    # steps_per_generation = 2 x GA: 16 completions, two optimizer steps of 8 (lr 0: the same weights).
+    more = fixed_rollout(model, 16, seed=1, vocab=64)
+    generation_tokens = sum(len(r["completion"]) for r in more)
+    trainer.args.steps_per_generation = 2 * 4
+    second = more[8:]
+    want = big_batch_gradient(model, second)
+    print(f"steps_per_generation = 2 x GA, the second step ({sum(len(r['completion']) for r in second)} of "
+          f"{generation_tokens} tokens):")  # fmt: skip
+    print(
+        f"  TRL loss_type='dapo'      {error(trl_gradient(trainer, model, second, 2, 4, 'dapo', generation_tokens)):.2e}"
+    )
+    print(f"  hfacc loss_type='token'   {error(hfacc_gradient(model, second, 2, 4)):.2e}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--skip_speed", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if not args.skip_speed:
+        speed(args)
+    normalization()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""GRPOTrainer: the online step is PolicyGradientObjective on the rollout it sampled (1 and 2 ranks); a generation
+serving two optimizer steps divides each by its own units; failing reward functions are named with their row.
+
+The two-rank cases (fixed rollouts with unequal completion lengths per rank, every loss type, beta, layout; and the
+online first step) run in one launch of tests/policy_gradient_check.py.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hfacc import DataCollatorForCausalLM, GRPOArguments, PolicyGradientObjective
+from hfacc.loss import WindowCounts
+from hfacc.rollout import RewardFunctionError, group_advantages, score_completions
+from tests.grpo_setup import build_prompts, rollout_rows, run_grpo
+from tests.helpers import ROOT, flat_grad, free_port, relative_error
+from tests.rollouts import reference_gradient, reference_sgd_steps
+
+
+def objective_gradient(model, rows, objective, pad_token_id):
+    """PolicyGradientObjective on the whole rollout as one micro-batch (one window, one rank), full logits."""
+    model.zero_grad()
+    batch = DataCollatorForCausalLM(pad_token_id)(rows)
+    _, sums = objective(model, batch)
+    units = tuple(objective.count(batch).tolist())
+    objective.loss(sums, WindowCounts(units[0], units[1], 1, units)).backward()
+    grad = flat_grad(model)
+    model.zero_grad()
+    return grad
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"loss_type": "token"}, {"loss_type": "sequence", "beta": 0.05, "temperature": 0.8}],
+    ids=["dapo", "grpo"],
+)
+def test_the_first_step_is_the_objective_on_the_rollout_it_sampled(tmp_path, settings):
+    trainer, capture, start = run_grpo(tmp_path, **settings)
+    rows = rollout_rows(capture.rollouts[0])
+    assert len(rows) == 8 and all("old_logps" not in r for r in rows)  # one generation per step: ratio 1
+    args = trainer.args
+    objective = PolicyGradientObjective(
+        args.loss_type, args.epsilon, beta=0.0, max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+    )  # fmt: skip
+    pad = trainer.processing_class.pad_token_id
+    got = capture.grads[0]
+    assert relative_error(got, objective_gradient(start, rows, objective, pad)) <= 1e-6
+    # The hand-written reference (plain torch); at the first step the reference is the policy itself, so beta's
+    # term (k3 KL, and its gradient) is exactly zero.
+    want, _ = reference_gradient(start, rows, objective.loss_type, eps=0.2, eps_high=0.2, temperature=args.temperature)
+    assert relative_error(got, want) <= 1e-6 and want.norm() > 0
+    logged = trainer.state.log_history[0]
+    rewards = capture.rollouts[0].total
+    assert logged["reward"] == pytest.approx(rewards.mean().item())
+    assert logged["reward_std"] == pytest.approx(rewards.std().item())
+    assert logged["rewards/brevity/mean"] == pytest.approx(rewards.mean().item())
+    lengths = capture.rollouts[0].completion_lengths
+    assert logged["completions/mean_length"] == pytest.approx(sum(lengths) / 8)
+    assert (logged["completions/min_length"], logged["completions/max_length"]) == (min(lengths), max(lengths))
+    assert logged["num_completion_tokens"] == sum(lengths) and logged["num_completions"] == 8
+    assert logged["clip_ratio/region_mean"] == 0  # ratio 1 everywhere
+    for key in ("generation_time", "training_time", "generation_tokens_per_second", "completion_tokens_per_second"):
+        assert logged[key] > 0, key
+    assert ("kl" in logged) == ("beta" in settings)
+
+
+def test_a_generation_for_two_steps_divides_each_by_its_own_units(tmp_path):
+    """steps_per_generation = 2 x GA: the second optimizer step trains on completions sampled before the first, with
+    their old log-probs, at the updated weights, normalized by the tokens *it* consumes (TRL's 'true DAPO' was
+    mis-scaled 0.5x-4x here until trl#6024)."""
+    trainer, capture, start = run_grpo(
+        tmp_path, steps=2, steps_per_generation=4, optim="sgd", lr_scheduler_type="constant", learning_rate=0.1
+    )
+    rollout = capture.rollouts[0]
+    assert capture.rollouts[1].rows == rollout.rows  # one rollout for both steps
+    rows = rollout_rows(rollout)
+    assert len(rows) == 16 and all(len(r["old_logps"]) == len(r["input_ids"]) for r in rows)
+    want = reference_sgd_steps(start, [rows[:8], rows[8:]], "token", 0.1, eps=0.2, eps_high=0.2)
+    for got, expected in zip(capture.grads, want, strict=True):
+        assert relative_error(got, expected) <= 1e-6
+    second = trainer.state.log_history[1]
+    assert "reward" not in second  # no generation in the second step's interval
+    # The first step moved the policy away from the sampler's: the second step's ratios leave the clip range.
+    assert second["num_completions"] == 8 and second["clip_ratio/region_mean"] > 0.1
+
+
+def test_a_reward_function_that_fails_is_named_with_its_row(tmp_path):
+    prompts = build_prompts()
+    target = prompts[1]["answer"]  # the first generation batch holds rows 0 and 1 (sequential order)
+    assert prompts[0]["answer"] != target
+
+    def picky(prompts, completions, answer, **kwargs):
+        for a in answer:
+            if a == target:
+                raise KeyError("no rule for this answer")
+        return [0.0] * len(completions)
+
+    with pytest.raises(
+        RewardFunctionError, match=r"reward function 'picky' raised KeyError.*row 1 of the prompts dataset"
+    ):
+        run_grpo(tmp_path, reward_funcs=(picky,), train_sampling_strategy="sequential")
+
+
+def short(prompts, completions):
+    return [0.0, 1.0]
+
+
+def nan(prompts, completions):
+    return [0.0, math.nan, 1.0]
+
+
+def test_reward_functions_that_return_the_wrong_thing_are_named():
+    prompts, completions = ["a", "b", "c"], ["x", "y", "z"]
+    with pytest.raises(RewardFunctionError, match=r"'short' returned 2 rewards for 3 completions"):
+        score_completions([short], prompts, completions)
+    with pytest.raises(RewardFunctionError, match=r"'nan' returned nan for row 7 \(prompt 'b'"):
+        score_completions([nan], prompts, completions, row_names=["row 5", "row 7", "row 9"])
+    rewards = score_completions(
+        [lambda p, c, **kw: [1, 2, 3], lambda p, c, k: [float(x) for x in k]], prompts, completions, {"k": [4, 5, 6]}
+    )
+    assert rewards.tolist() == [[1.0, 4.0], [2.0, 5.0], [3.0, 6.0]]
+
+
+def test_group_advantages():
+    rewards = torch.tensor([1.0, 0.0, 2.0, 2.0, 3.0, 1.0])
+    a = group_advantages(rewards, 2, "none")
+    assert a.tolist() == [0.5, -0.5, 0.0, 0.0, 1.0, -1.0]
+    scaled = group_advantages(rewards, 2, "group")
+    assert scaled[0].item() == pytest.approx(0.5 / (2**0.5 / 2 + 1e-4)) and scaled[2] == 0
+    assert group_advantages(rewards, 2, "batch")[4].item() == pytest.approx(1.0 / (rewards.std().item() + 1e-4))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"num_generations": 3}, "must hold whole groups of num_generations=3"),
+        ({"num_generations": 1}, "num_generations=1"),
+        ({"loss_type": "bnpo"}, "loss_type='bnpo'"),
+        ({"normalization": "sequence"}, "set loss_type='sequence'"),
+    ],
+)
+def test_settings_are_checked(tmp_path, settings, message):
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_cpu=True)
+    with pytest.raises(ValueError, match=message):
+        GRPOArguments(**{**values, **settings})
+
+
+# ---- two ranks, one launch --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pg") / "results.json"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "accelerate_configs/ddp.yaml"]
+    launch += ["--main_process_port", str(free_port()), "tests/policy_gradient_check.py", str(out)]
+    proc = subprocess.run(launch, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.distributed
+def test_two_ranks_with_unequal_completion_lengths(two_ranks):
+    assert two_ranks["world_size"] == 2
+    rank0, rank1 = two_ranks["local_tokens"]
+    assert rank0 > 4 * rank1
+    assert len(two_ranks["cases"]) >= 13
+    for name, case in two_ranks["cases"].items():
+        assert case["grad_error"] <= 1e-6, name
+    assert two_ranks["negative_control"] > 0.05  # per-micro-batch means over the ranks: not the big batch
+
+
+@pytest.mark.distributed
+def test_the_online_first_step_on_two_ranks(two_ranks):
+    online = two_ranks["online"]
+    assert online["rows_per_rank"] == [8, 8] and online["prompts_differ"]
+    for name, error in online["errors"].items():
+        assert error <= 1e-6, name
+
+
+@pytest.mark.distributed
+def test_verify_on_two_ranks(two_ranks):
+    verify = two_ranks["verify"]
+    assert verify["passed"] and verify["world_size"] == 2
+    assert max(e for by in verify["errors"].values() for errs in by.values() for e in errs) <= 1e-6
+    assert verify["micro_batch"]["token"] > 0.01  # the comparison it prints can see a wrong normalizer
+
+
+def test_hfacc_verify_objective_grpo(capsys):
+    """`hfacc verify --objective grpo`: a rollout of the embedded model, each optimizer step of spg = GA and 2 x GA
+    against its big batch, every loss type; and the per-micro-batch normalization it prints for comparison."""
+    from hfacc.cli import main as cli_main
+
+    argv = [
+        "verify",
+        "--objective",
+        "grpo",
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+    ]
+    argv += ["--embedded_hidden_size", "32", "--embedded_num_layers", "1", "--json_path", "/dev/null"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "steps_per_generation 2 (= GA) and 4 (= 2 x GA" in out
+    for loss_type in ("token", "sequence", "dr_grpo"):
+        assert f"  {loss_type}" in out
+
+
+@pytest.mark.slow
+def test_the_recipe_runs_offline_and_reports_before_and_after(tmp_path, capsys):
+    """`hfacc grpo` (= recipes/grpo.py) on the embedded default, shortened: no SFT output, so a short SFT first; then
+    again from that SFT output. It writes the model, metrics.json and the reward curve, and prints the summary."""
+    from hfacc.cli import main as cli_main
+
+    out = tmp_path / "grpo"
+    short = ["--max_steps", "2", "--num_train_prompts", "32", "--num_eval_prompts", "4", "--logging_steps", "1"]
+    short += ["--per_device_train_batch_size", "8", "--num_generations", "4", "--disable_tqdm", "true"]
+    argv = [
+        "grpo",
+        *short,
+        "--sft_output_dir",
+        str(tmp_path / "none"),
+        "--sft_max_steps",
+        "2",
+        "--output_dir",
+        str(out),
+    ]
+    argv += ["--sft_num_examples", "160", "--embedded_hidden_size", "64"]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "no SFT model at" in printed and "=== hfacc GRPO summary ===" in printed
+    assert "held-out exact match" in printed and "held-out reward" in printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 2 and metrics["policy"].startswith("a short SFT of 2 steps")
+    assert (
+        set(metrics["before"]) >= {"reward", "exact_match", "exact_match_by_task"}
+        and "exact_match" in metrics["after"]
+    )
+    assert metrics["generation_time_s"] > 0 and metrics["training_time_s"] > 0
+    for name in ("model.safetensors", "tokenizer.json", "reward_curve.png", "sft/model.safetensors"):
+        assert (out / name).is_file(), name
+    again = tmp_path / "again"
+    argv = ["grpo", *short, "--max_steps", "1", "--sft_output_dir", str(out / "sft"), "--output_dir", str(again)]
+    assert cli_main(argv + ["--logging_steps", "5"]) == 0  # its one step ends before the first logging step
+    metrics = json.loads((again / "metrics.json").read_text())
+    assert metrics["policy"] == f"from {out / 'sft'}"
+    assert metrics["generation_time_s"] > 0 and metrics["training_time_s"] > 0  # the whole run's, logged or not
+
+
+def test_the_recipe_and_hfacc_grpo_share_one_definition_of_the_settings():
+    import hfacc.grpo
+    from tests.helpers import load_recipe, recipe_types
+
+    recipe = load_recipe("grpo")
+    assert recipe.main is hfacc.grpo.main and recipe_types(recipe) == list(hfacc.grpo.GRPO_ARGUMENTS)
