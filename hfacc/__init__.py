@@ -22,6 +22,7 @@ from .loss import (
 from .modeling import ModelArguments, apply_lora, build_tiny_llama, get_tokenizer, load_causal_lm
 from .objectives import (
     CausalLMObjective,
+    DPOObjective,
     FunctionObjective,
     LossFunctionObjective,
     ModelLossObjective,
@@ -32,6 +33,7 @@ from .objectives import (
     TokenObjective,
     get_objective,
 )
+from .preference_data import DataCollatorForPreference, build_preference_dataset, precompute_reference_logps
 from .step_gate import NonFiniteLossError
 from .trainer import TokenWeightedTrainer
 from .verify import verify_accumulation
@@ -53,6 +55,10 @@ __all__ = [
     "TokenBudgetBatchSampler",
     "pack_examples",
     "pack_dataset",
+    # preference pairs (DPO)
+    "build_preference_dataset",
+    "DataCollatorForPreference",
+    "precompute_reference_logps",
     # models
     "get_tokenizer",
     "load_causal_lm",
@@ -69,6 +75,7 @@ __all__ = [
     "ModelLossObjective",
     "FunctionObjective",
     "LossFunctionObjective",
+    "DPOObjective",
     "get_objective",
     # loss math
     "IGNORE_INDEX",

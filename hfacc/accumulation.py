@@ -48,6 +48,7 @@ class MicroBatch:
     _accelerator: Any
     _model: nn.Module
     _normalization: str
+    _objective: Objective | None = None
 
     def sync(self) -> contextlib.AbstractContextManager:
         """``accelerator.no_sync(model)`` for all but the last micro-batch; wrap the forward *and* the backward.
@@ -64,13 +65,17 @@ class MicroBatch:
         return self._accelerator.no_sync(self._model)
 
     def scale(self, sums: LossSums) -> torch.Tensor:
-        """The loss to backpropagate for this micro-batch: ``S_j / N * P`` (see :func:`normalize_window_loss`).
+        """The loss to backpropagate for this micro-batch: ``S_j / N * P`` (see :func:`normalize_window_loss`), or
+        the window's :class:`hfacc.Objective`'s own ``loss`` (each of its sums over its own unit's count).
 
         ``accelerator.backward`` divides by ``accelerator.gradient_accumulation_steps``; that division is undone
         here, so the result is exact whatever the Accelerator was built with.
         """
         world = get_gradient_scale(self._accelerator.distributed_type, self._accelerator.num_processes)
-        loss = normalize_window_loss(sums, self.window, normalization=self._normalization, world_size=world)
+        if self._objective is not None:
+            loss = self._objective.loss(sums, self.window, normalization=self._normalization, world_size=world)
+        else:
+            loss = normalize_window_loss(sums, self.window, normalization=self._normalization, world_size=world)
         return loss * getattr(self._accelerator, "gradient_accumulation_steps", 1)
 
 
@@ -115,5 +120,6 @@ def accumulation_window(
             return torch.stack([n, (n > 0).long()])
 
     window = count_window(count, batches, accelerator, size=size)
+    owner = objective if isinstance(objective, Objective) else None
     for i, batch in enumerate(batches):
-        yield MicroBatch(batch, i, window, i == len(batches) - 1, accelerator, model, normalization)
+        yield MicroBatch(batch, i, window, i == len(batches) - 1, accelerator, model, normalization, owner)

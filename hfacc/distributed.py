@@ -151,7 +151,9 @@ def fsdp2_no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
-def trim_repeated_examples(accelerator, batch_samples: list, warn: bool = True) -> tuple[set[int], int]:
+def trim_repeated_examples(
+    accelerator, batch_samples: list, warn: bool = True, examples: Any = None
+) -> tuple[set[int], int]:
     """Cut the examples accelerate repeats at the end of an epoch out of a window's micro-batches, in place.
 
     With several ranks, accelerate (``even_batches``) fills the last batch of every rank with examples from the
@@ -159,13 +161,14 @@ def trim_repeated_examples(accelerator, batch_samples: list, warn: bool = True) 
     second time, and counts them. Here the last micro-batch is cut to its real rows; a micro-batch that holds only
     repeats still runs (every rank must take part in the gradient all-reduce) but must contribute nothing.
 
-    Returns ``(indices of the micro-batches that hold only repeats, number of repeated rows cut)``; with ``warn``,
-    a cut is said at WARNING level.
+    ``examples`` (an :class:`hfacc.Objective`) says what an example of a batch is (``num_examples``,
+    ``select_examples``: a preference pair is two rows); None: a row. Returns ``(indices of the micro-batches that
+    hold only repeats, number of repeated examples cut)``; with ``warn``, a cut is said at WARNING level.
     """
     if not batch_samples:
         return set(), 0
     last = batch_samples[-1]
-    rows = num_rows(last)
+    rows = examples.num_examples(last) if examples is not None else num_rows(last)
     real = count_real_rows(accelerator, rows)
     if real >= rows:
         return set(), 0
@@ -177,7 +180,8 @@ def trim_repeated_examples(accelerator, batch_samples: list, warn: bool = True) 
             accelerator.process_index,
             rows - real,
         )
-    batch_samples[-1] = take_rows(last, max(real, 1))
+    keep = max(real, 1)
+    batch_samples[-1] = examples.select_examples(last, 0, keep) if examples is not None else take_rows(last, keep)
     return ({len(batch_samples) - 1} if real == 0 else set()), rows - real
 
 

@@ -83,6 +83,13 @@ class ReferenceModel:
             module.train(was_training)
         return result
 
+    @torch.no_grad()
+    def check_fused(self, inputs: Mapping[str, Any], targets: torch.Tensor, temperature: float = 1.0) -> str | None:
+        """Why chunked log-probs would not be this reference's own (None: they are): :func:`check_fused_logprobs`
+        on the reference as its forwards run (adapter disabled, eval mode)."""
+        with self._context():
+            return check_fused_logprobs(self.module, inputs, targets, temperature)
+
     def _context(self):
         return self.module.disable_adapter() if self.disable_adapter else contextlib.nullcontext()
 

@@ -40,7 +40,7 @@ from .distributed import (
 )
 from .meter import LossMeter
 from .model_setup import ModelSetup, build_model_setup
-from .objectives import ModelLossObjective, Objective
+from .objectives import OBJECTIVES, ModelLossObjective, Objective
 from .padding_free import remove_padding
 from .step_gate import NonFiniteLossError, StepGate
 from .streaming import (
@@ -132,7 +132,8 @@ class TokenWeightedTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        if not hasattr(dataset, "__getitem__") or "input_ids" not in dataset[0]:
+        measured = hasattr(getattr(collator, "data_collator", collator), "example_length")
+        if not hasattr(dataset, "__getitem__") or not (measured or "input_ids" in dataset[0]):
             raise ValueError("max_tokens_per_batch needs a map-style dataset whose examples have 'input_ids'.")
         loader = build_token_budget_loader(dataset, collator, self.args)
         return self.accelerator.prepare(loader)
@@ -145,13 +146,16 @@ class TokenWeightedTrainer(Trainer):
             self._stream_position = take_stream_position(batch_samples) or self._stream_position
         else:
             batch_samples = list(islice(epoch_iterator, num_batches))
-        repeated, cut = trim_repeated_examples(self.accelerator, batch_samples, warn=not self._repeats_said)
-        self._repeats_said |= cut > 0
         if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
             self._packing_checked = True
             require_packing_support(self.model, self._prepare_inputs(batch_samples[0]))
         if self.model_setup is None and batch_samples:  # before the first window is counted
             self.setup_model(batch_samples[0])
+        # The objective says what an example of a batch is (a preference pair is two rows).
+        repeated, cut = trim_repeated_examples(
+            self.accelerator, batch_samples, warn=not self._repeats_said, examples=self.objective
+        )
+        self._repeats_said |= cut > 0
         first = self.window is None
         self.window = self.open_window(batch_samples, device, repeated, warn=first)
         return batch_samples, self.window.num_targets
@@ -213,7 +217,9 @@ class TokenWeightedTrainer(Trainer):
         # other. The packing check then refuses such a model. An objective given as an instance names the columns
         # it reads itself (Objective.columns).
         super()._set_signature_columns_if_needed()
-        wanted = ("position_ids", "seq_lengths", *(self.objective.columns if self.objective is not None else ()))
+        setting = self._objective_setting
+        objective = self.objective if self.objective is not None else OBJECTIVES.get(setting, None)
+        wanted = ("position_ids", "seq_lengths", *(objective.columns if objective is not None else ()))
         self._signature_columns += [c for c in wanted if c not in self._signature_columns]
 
     # ---- the loss: once per micro-batch ---------------------------------------------------------------------

@@ -6,6 +6,7 @@
 - :mod:`~hfacc.objectives.heads`: token labels, sequence classification, multi-label, regression, the model's own loss;
 - :mod:`~hfacc.objectives.function`: objectives from the user's functions (``FunctionObjective``,
   ``compute_loss_func``);
+- :mod:`~hfacc.objectives.preference`: preference pairs (DPO, IPO, hinge, robust DPO, SimPO), exact per pair;
 - :mod:`~hfacc.objectives.choice`: :func:`get_objective`, which one a model calls for (``objective="auto"``).
 
 A new loss is a new module here, next to these: it subclasses :class:`Objective`, and the trainer needs no branch.
@@ -22,6 +23,7 @@ from .heads import (
     SequenceClassificationObjective,
     TokenObjective,
 )
+from .preference import DPOObjective
 
 __all__ = [
     "Objective",
@@ -35,6 +37,7 @@ __all__ = [
     "ModelLossObjective",
     "FunctionObjective",
     "LossFunctionObjective",
+    "DPOObjective",
     "OBJECTIVES",
     "get_objective",
 ]

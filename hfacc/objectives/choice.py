@@ -20,6 +20,7 @@ from .heads import (
     SequenceClassificationObjective,
     TokenObjective,
 )
+from .preference import DPOObjective
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ OBJECTIVES = {
         MultiLabelObjective,
         RegressionObjective,
         ModelLossObjective,
+        DPOObjective,
     )
 }
 
@@ -69,7 +71,7 @@ def _pick_objective(model: nn.Module, batch: Mapping[str, Any], name: str, label
             raise ValueError(f"objective must be 'auto' or one of {sorted(OBJECTIVES)}, got {name!r}")
         if name == "token":
             return TokenObjective(label_smoothing, encoder_decoder=is_encoder_decoder)
-        return OBJECTIVES[name](label_smoothing)
+        return OBJECTIVES[name](label_smoothing=label_smoothing)
 
     labels = batch.get("labels")
     if not torch.is_tensor(labels):
