@@ -1,9 +1,11 @@
-"""The ``hfacc`` command: ``hfacc sft``, ``hfacc verify`` and ``hfacc show-mask``.
+"""The ``hfacc`` command: ``hfacc sft``, ``hfacc dpo``, ``hfacc verify`` and ``hfacc show-mask``.
 
 hfacc sft                                      # the job of `accelerate launch recipes/sft.py` (hfacc/sft.py)
+hfacc dpo                                      # the job of `accelerate launch recipes/dpo.py` (hfacc/dpo.py)
 hfacc verify                                   # embedded tiny Llama and data: PASS/FAIL in seconds
 hfacc verify --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name my.jsonl --gradient_accumulation_steps 8
 hfacc verify --config recipes/configs/smollm2-135m_full.yaml
+hfacc verify --objective dpo                   # preference pairs (--dataset_name: rows of prompt, chosen, rejected)
 accelerate launch --config_file accelerate_configs/ddp.yaml -m hfacc.cli verify    # the distributed path
 hfacc show-mask --dataset_name my.jsonl --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --count 3
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 COMMANDS = {
     "sft": "fine-tune with loss masking and exact accumulation (the job of recipes/sft.py)",
+    "dpo": "preference optimization (DPO, IPO, SimPO, ...), exact per pair (the job of recipes/dpo.py)",
     "verify": "check that accumulation equals one big batch for a model and data",
     "show-mask": "print examples with the tokens that carry loss highlighted",
 }
@@ -45,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         from .sft import cli
 
         return cli(rest)
+    if command == "dpo":
+        from .dpo import cli as dpo_cli
+
+        return dpo_cli(rest)
     from .console import pop_debug_flag, setup_console, user_errors
 
     setup_console()  # warnings as plain lines; no bars for the handful of rows these commands tokenize
@@ -77,11 +84,19 @@ def run_verify(argv: list[str], guard) -> int:
         verify_args.per_device_train_batch_size * verify_args.gradient_accumulation_steps * accelerator.num_processes
     )
     # Extra rows: some may be dropped (no target left after truncation).
-    examples = build_examples(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
+    if verify_args.objective == "dpo":  # preference pairs: the user's (prompt/chosen/rejected) or embedded ones
+        from .dpo import build_example_pairs
+        from .preference_data import DataCollatorForPreference
+
+        examples = build_example_pairs(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
+        collate = DataCollatorForPreference(tokenizer.pad_token_id)
+    else:
+        examples = build_examples(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
+        collate = DataCollatorForCausalLM(tokenizer.pad_token_id)
     report = verify_accumulation(
         model,
         [examples[i] for i in range(min(len(examples), need))],
-        DataCollatorForCausalLM(tokenizer.pad_token_id),
+        collate,
         micro_batch_size=verify_args.per_device_train_batch_size,
         gradient_accumulation_steps=verify_args.gradient_accumulation_steps,
         normalization=verify_args.normalization,

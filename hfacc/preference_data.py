@@ -20,12 +20,14 @@ them.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +46,7 @@ from .loss import IGNORE_INDEX, count_example_targets, shift_labels
 from .model_io import model_inputs
 from .objectives.preference import REF_LOGPS
 from .reference import ReferenceModel, is_peft_model
-from .sources import SOURCE_ROW
+from .sources import LOCAL_FORMATS, SOURCE_ROW, _pick_splits
 from .streaming import SFTStream, _worth_saying
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ def encode_pair(
             _string({field: value}, field, index)
     notes: dict[str, Any] = {"methods": [], "unclosed": 0, "truncated": 0}
     example: dict[str, Any] = {}
+    dropped = ""
     for field, value in sides.items():
         # The same path as an SFT prompt/completion row: the answer's tokens as the full conversation renders them.
         ids, labels, method, unclosed = encode_row(
@@ -106,12 +109,14 @@ def encode_pair(
                     "or 'drop'."
                 )
             if truncation == "drop":
-                return None, "too long", notes
+                dropped = "too long"
             cut = slice(None, max_length) if truncation == "right" else slice(len(ids) - max_length, None)
             ids, labels = ids[cut], labels[cut]
         if count_example_targets(labels) == 0:
-            return None, "no target", notes
+            dropped = dropped or "no target"
         example[f"{field}_input_ids"], example[f"{field}_labels"] = list(ids), labels
+    if dropped:
+        return None, dropped, notes
     if example["chosen_input_ids"] == example["rejected_input_ids"]:
         return None, "identical", notes
     for column in REFERENCE_COLUMNS:
@@ -261,6 +266,64 @@ def report_drops(total: int, truncated: int, reasons: Sequence[str], max_length,
         n = sum(r == reason for r in reasons)
         if n:
             logger.warning("hfacc: %d of %d pairs %s and were dropped.", n, total, text)
+
+
+def load_preference_source(
+    name_or_path: str,
+    *,
+    config: str | None = None,
+    split: str = "train",
+    eval_split: str | None = None,
+    eval_fraction: float = 0.05,
+    max_examples: int | None = None,
+    seed: int = 0,
+):
+    """Raw preference rows as ``(train, eval)`` ``datasets.Dataset`` s: a local ``.json``/``.jsonl``/``.csv``/
+    ``.parquet`` file, a ``save_to_disk`` directory or a hub dataset, as :func:`hfacc.data.load_sft_source` reads
+    them; without an ``eval_split``, a seeded ``eval_fraction`` is held out. A ``.jsonl`` row without ``chosen`` or
+    ``rejected`` is named by its line."""
+    import datasets
+
+    path = Path(name_or_path)
+    if path.suffix in LOCAL_FORMATS:
+        if not path.is_file():
+            raise DataError(f"dataset {name_or_path}: no such file.")
+        if path.suffix == ".jsonl":
+            check_jsonl_pairs(path)
+        try:
+            data = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+        except Exception as err:  # pyarrow errors name neither the row nor the fix
+            raise DataError(f"{path} cannot be read as {LOCAL_FORMATS[path.suffix]}: {err}.") from err
+        held_out = None
+    elif path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
+        data, held_out = _pick_splits(datasets.load_from_disk(str(path)), split, eval_split, name_or_path)
+    else:
+        data, held_out = _pick_splits(datasets.load_dataset(name_or_path, config), split, eval_split, name_or_path)
+    check_preference_columns(data.column_names)
+    if max_examples is not None:
+        data = data.select(range(min(max_examples, len(data))))
+    data = data.add_column(SOURCE_ROW, list(range(len(data))))  # errors name the row of the source
+    if held_out is not None:
+        return data, held_out.add_column(SOURCE_ROW, list(range(len(held_out))))
+    if not 0 < eval_fraction < 1:
+        raise DataError(f"eval_fraction={eval_fraction}: it must be between 0 and 1 (exclusive) without eval_split.")
+    parts = data.train_test_split(test_size=eval_fraction, seed=seed)
+    return parts["train"], parts["test"]
+
+
+def check_jsonl_pairs(path: Path) -> None:
+    """Every line of a ``.jsonl`` file is a JSON object with ``chosen`` and ``rejected``; else a DataError naming it."""
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                raise DataError(f"{path}: line {number} is not valid JSON ({err}).") from err
+            missing = [c for c in SIDES if not isinstance(row, Mapping) or c not in row]
+            if missing:
+                raise DataError(f"row {number - 1} (line {number} of {path.name}): no field {missing[0]!r}.")
 
 
 # ---- streamed pairs ----------------------------------------------------------------------------------------------
@@ -431,5 +494,6 @@ __all__ = [
     "DataCollatorForPreference",
     "PreferenceStream",
     "precompute_reference_logps",
+    "load_preference_source",
     "PREFERENCE_TRUNCATIONS",
 ]

@@ -99,6 +99,7 @@ class Objective(ABC):
     # ``check_fused(model, batch, normalization)``: why not for this model (None: it can).
     supports_fused = False
     fused = False
+    fused_description = "fused chunked cross-entropy"  # what the fused path is, in words (hfacc verify's report)
     fused_in_eval = True  # False while an evaluation needs the logits (predictions, compute_metrics)
     # Per-row entries of a batch (shape [B]) that the objective reads and that are no model inputs (advantages,
     # precomputed reference log-probs, ...): a padding-free layout keeps them as they are, indexed by original row.

@@ -165,6 +165,7 @@ class PreferenceSums(NamedTuple):
 
     Args:
         loss: the pair's preference loss.
+        pairs: 1 per pair (0 in the sums of a micro-batch of repeated examples: :meth:`Objective.zero_sums`).
         nll: minus the chosen sequence's log-prob: the NLL term's sum over its target tokens.
         chosen_tokens, rejected_tokens: scored (target) tokens of each side.
         chosen_logps, rejected_logps: the policy's sequence log-probs (detached).
@@ -172,6 +173,7 @@ class PreferenceSums(NamedTuple):
     """
 
     loss: torch.Tensor
+    pairs: torch.Tensor
     nll: torch.Tensor
     chosen_tokens: torch.Tensor
     rejected_tokens: torch.Tensor
@@ -218,6 +220,7 @@ class DPOObjective(Objective):
     has_accuracy = False
     supports_padding_free = True
     supports_fused = True
+    fused_description = "chunked log-probs from the final hidden states"
     row_keys = (REF_LOGPS,)
     columns = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "ref_chosen_logps")
     columns += ("ref_rejected_logps",)
@@ -315,6 +318,7 @@ class DPOObjective(Objective):
         )
         sums = PreferenceSums(
             scores.losses,
+            torch.ones_like(scores.losses.detach()),
             -logps[:pairs],
             lengths[:pairs],
             lengths[pairs:],
@@ -343,7 +347,7 @@ class DPOObjective(Objective):
         return loss * world_size
 
     def mean_loss(self, sums):
-        loss = sums.loss.sum() / max(sums.loss.numel(), 1)
+        loss = sums.loss.sum() / sums.pairs.sum().clamp(min=1)
         if self.nll_weight:
             loss = loss + self.nll_weight * sums.nll.sum() / sums.chosen_tokens.sum().clamp(min=1)
         return loss
@@ -353,7 +357,7 @@ class DPOObjective(Objective):
         two sequence log-probs."""
         columns = [
             sums.loss.detach(),
-            torch.ones_like(sums.loss),
+            sums.pairs,
             sums.nll.detach(),
             sums.chosen_tokens,
             sums.chosen_rewards,
