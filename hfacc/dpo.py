@@ -93,7 +93,10 @@ class DPOArguments:
             "SFT first."
         },
     )
-    sft_max_steps: int = field(default=300, metadata={"help": "Embedded default: optimizer steps of that short SFT."})
+    sft_max_steps: int = field(default=200, metadata={"help": "Embedded default: optimizer steps of that short SFT."})
+    sft_num_examples: int = field(
+        default=7200, metadata={"help": "Embedded default: conversations of that short SFT."}
+    )
     num_embedded_pairs: int = field(
         default=1600, metadata={"help": "Embedded default: pairs built (train + held out)."}
     )
@@ -326,7 +329,7 @@ def run_short_sft(dpo_args: DPOArguments, model_args: ModelArguments, args: Toke
         "--embedded_hidden_size", str(model_args.embedded_hidden_size),
         "--embedded_num_layers", str(model_args.embedded_num_layers), "--log_level", args.log_level,
         "--disable_tqdm", str(args.disable_tqdm), "--warmup_steps", str(min(50, dpo_args.sft_max_steps // 5)),
-        "--use_cpu", str(args.use_cpu),
+        "--use_cpu", str(args.use_cpu), "--num_embedded_examples", str(dpo_args.sft_num_examples),
     ]  # fmt: skip
     settings = parse_args(SFT_ARGUMENTS, overrides, default_config=SFT_DEFAULT_CONFIG)
     assert isinstance(settings[2], DataArguments)

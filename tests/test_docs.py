@@ -71,6 +71,10 @@ COMMANDS = {
         "the main job (~2.5 min); CI runs it as written, tests/test_recipe.py runs the same recipe shortened",
     ),
     "python -m pytest": ("skip", "the test suite itself (this test is part of it); CI runs it as written"),
+    "accelerate launch recipes/dpo.py": (
+        "skip",
+        "the DPO job (~4 min with its short SFT); tests/test_recipe_dpo.py runs the same recipe shortened",
+    ),
     "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
         "skip",
         "downloads Qwen2.5-0.5B-Instruct and its dataset from the Hub",

@@ -221,18 +221,17 @@ def setting(models, pairs, kind):
     )
 
 
-def accumulate(policy, objective, examples, bs, ga, padding_free, accelerator):
-    """One window through hfacc as training runs it: the per-model setup, the window's counts (one collective), each
-    micro-batch's share of the window loss (padding-free where asked); returns the accumulated gradient."""
+def accumulate(policy, objective, setup, examples, bs, ga, accelerator):
+    """One window through hfacc as training runs it, with the per-model decisions ``setup`` took: the window's counts
+    (one collective), each micro-batch's share of the window loss (padding-free where decided); returns the
+    accumulated gradient."""
     batches = [COLLATE(examples[i : i + bs]) for i in range(0, len(examples), bs)]
-    setup = build_model_setup(policy, batches[0], accelerator, objective=objective, padding_free=padding_free)
-    assert setup.padding_free is padding_free and setup.loss_path == "fused"
     policy.zero_grad()
     for window in iter_windows(batches, ga):
         assert len(window) == len(batches)  # one window: the whole batch, split
         for mb in accumulation_window(accelerator, policy, window, objective=objective):
-            batch = remove_padding(mb.batch, setup.one_row, keep=objective.row_keys) if padding_free else mb.batch
-            _, sums = objective(policy, batch)
+            laid = remove_padding(mb.batch, setup.one_row, keep=objective.row_keys) if setup.padding_free else mb.batch
+            _, sums = objective(policy, laid)
             mb.scale(sums).backward()
     grad = torch.cat([p.grad.flatten() for p in policy.parameters() if p.grad is not None]).clone()
     policy.zero_grad()
@@ -241,6 +240,8 @@ def accumulate(policy, objective, examples, bs, ga, padding_free, accelerator):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_every_reference_split_and_layout_gives_the_big_batch(loss_type, models, pairs):
+    """Per kind of reference and layout, the per-model setup runs once (build_model_setup: layout, loss path, the
+    reference); then every split, without and with the NLL term (the same objective, its weight changed)."""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
@@ -248,17 +249,20 @@ def test_every_reference_split_and_layout_gives_the_big_batch(loss_type, models,
     worst = 0.0
     for kind in kinds:
         policy, given, examples, ref = setting(models, pairs, "copy" if kind == "none" else kind)
-        for nll_weight in (0.0, 0.5):
-            want, _ = big_batch(policy, pairs, loss_type, ref, nll_weight)
-            for bs, ga in SPLITS:
-                for padding_free in (False, True):
-                    objective = objective_for(loss_type, nll_weight, given)
-                    got = accumulate(policy, objective, examples, bs, ga, padding_free, accelerator)
-                    error = relative_error(got, want)
+        wanted = {w: big_batch(policy, pairs, loss_type, ref, w)[0] for w in (0.0, 0.5)}
+        for padding_free in (False, True):
+            objective = objective_for(loss_type, 0.0, given)
+            setup = build_model_setup(
+                policy, COLLATE(examples[:2]), accelerator, objective=objective, padding_free=padding_free
+            )
+            assert setup.padding_free is padding_free and setup.loss_path == "fused"
+            assert (objective.reference is None) is (kind in ("precomputed", "none"))  # no reference in memory
+            for nll_weight, want in wanted.items():
+                objective.nll_weight = nll_weight
+                for bs, ga in SPLITS:
+                    error = relative_error(accumulate(policy, objective, setup, examples, bs, ga, accelerator), want)
                     assert error <= TOL, (kind, nll_weight, bs, ga, padding_free, error)
                     worst = max(worst, error)
-                    if kind == "precomputed":
-                        assert objective.reference is None  # no reference model in memory
     print(f"{loss_type}: worst relative error {worst:.1e}")
 
 
@@ -397,3 +401,29 @@ def test_objective_by_name_keeps_the_pair_columns(models, pairs, tmp_path, caplo
         trainer.train()
     assert isinstance(trainer.objective, DPOObjective) and trainer.objective.beta == 0.1
     assert relative_error(capture.grads[0], want) <= TOL
+
+
+# ---- hfacc verify --objective dpo -------------------------------------------------------------------------------
+def test_verify_proves_the_preference_objective_and_shows_what_peers_do(models, pairs):
+    """A ragged window (3, 3, 2 pairs) with the NLL term: hfacc's accumulation passes; the mean of micro-batch
+    means (TRL's DPOTrainer, torchtune) is measured beside it and fails."""
+    from hfacc import verify_accumulation
+
+    objective = objective_for("sigmoid", 0.5, models["other"])
+    common = dict(micro_batch_size=3, gradient_accumulation_steps=3, objective=objective, precisions=())
+    report = verify_accumulation(models["policy"], pairs[:8] + pairs[:1], COLLATE, **common)
+    assert report.passed and report.error <= 1e-6
+    assert report.window["unit"] == "pairs" and report.window["targets_per_micro_batch"] == [3, 3, 3]
+    stock = verify_accumulation(models["policy"], pairs[:7] + pairs[:2], COLLATE, path="stock", **common)
+    assert not stock.passed and stock.error > 1e-3  # micro-batches of 3 pairs, chosen tokens differ
+    finding = next(f for f in stock.findings if f.name == "peers' normalization")
+    assert "mean of micro-batch means" in finding.message
+
+
+def test_hfacc_verify_objective_dpo_on_the_embedded_pairs(capsys):
+    from hfacc.cli import main as cli_main
+
+    code = cli_main(["verify", "--objective", "dpo", "--per_device_train_batch_size", "2", "--precisions", "bf16"])
+    out = capsys.readouterr().out
+    assert code == 0 and "PASS" in out and "objective   dpo" in out
+    assert "pairs per micro-batch (rank 0): [2, 2, 2, 2]" in out and "chunked log-probs" in out
