@@ -4,8 +4,8 @@ The contract (issue 23): for every loss type, with and without the NLL term, wit
 default frozen copy, a given ref_model, a PEFT policy's base with the adapter disabled, precomputed log-probs), the
 splits bs 8 x GA 1, 2 x 4, 1 x 8, 3 x 3 (micro-batches of 3, 3 and 2 pairs), padded and padding-free, and token-budget
 micro-batches give the update of a hand-written big-batch reference (tests/preference_reference.py: plain torch, no
-hfacc) to <= 1e-6 relative, fp32. Two ranks with uneven pairs: tests/test_preference_distributed.py. Under DeepSpeed
-ZeRO-3 and FSDP2: tests/test_engines.py.
+hfacc) to <= 1e-6 relative, fp32. Two ranks with uneven pairs: tests/test_distributed.py (its launch runs
+tests/preference_check.py's cases too). Under DeepSpeed ZeRO-3 and FSDP2: tests/test_engines.py.
 
 To stay within the CI budget: the loss math is checked over all types as pure functions (and against TRL's values);
 the whole matrix runs through hfacc's own loop path (the per-model setup, the window's counts, the objective's loss:
@@ -387,13 +387,29 @@ def test_a_window_of_pairs_with_no_reference_log_probs_is_refused(models, pairs,
         COLLATE(rows[:2])
 
 
+def test_one_objective_set_up_for_a_second_model_compares_with_that_models_copy(models, pairs):
+    """The same DPOObjective given to a second trainer (another model): its frozen copy is the second model's, never
+    the first one's kept from the earlier setup (that would train against the wrong reference, silently)."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    objective = objective_for("sigmoid")
+    for name in ("policy", "other"):
+        model = models[name]
+        build_model_setup(model, COLLATE(pairs[:2]), accelerator, objective=objective, padding_free=False)
+        copy = objective.reference.module
+        assert copy is not model
+        for mine, theirs in zip(copy.parameters(), model.parameters(), strict=True):
+            assert torch.equal(mine, theirs), name
+
+
 def test_objective_by_name_keeps_the_pair_columns(models, pairs, tmp_path, caplog):
     """objective='dpo' (a name, as the recipe and verify give it): the Trainer keeps the pair columns it would drop
-    as unused, and trains the default DPO."""
+    as unused, and trains the default DPO; the training-time audit splits the window into pairs."""
     policy, _, examples, ref = setting(models, pairs, "copy")
     want, _ = big_batch(policy, pairs, "sigmoid", ref, 0.0, beta=0.1, eps=0.0)  # DPOObjective's defaults
     capture = CaptureGradients(policy)
-    args = train_args(tmp_path, 4, 2, args_class=TokenWeightedArguments, objective="dpo")
+    args = train_args(tmp_path, 4, 2, args_class=TokenWeightedArguments, objective="dpo", audit_every_n_steps=1)
     trainer = TokenWeightedTrainer(
         model=policy, args=args, train_dataset=Dataset.from_list(examples), data_collator=COLLATE, callbacks=[capture]
     )
@@ -401,6 +417,8 @@ def test_objective_by_name_keeps_the_pair_columns(models, pairs, tmp_path, caplo
         trainer.train()
     assert isinstance(trainer.objective, DPOObjective) and trainer.objective.beta == 0.1
     assert relative_error(capture.grads[0], want) <= TOL
+    # The audit recomputes the window pair by pair (a pair is the objective's example: two rows, kept together).
+    assert trainer.state.log_history[0]["accumulation_audit_error"] <= TOL
 
 
 # ---- hfacc verify --objective dpo -------------------------------------------------------------------------------

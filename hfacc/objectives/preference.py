@@ -272,7 +272,8 @@ class DPOObjective(Objective):
                 "normalization='sequence' has no meaning for the preference objective (its units are pairs and "
                 "chosen tokens); use 'token' (exact) or 'micro_batch' (the mean of micro-batch means, for comparison)."
             )
-        if not self.needs_reference or context.batch.get(REF_LOGPS) is not None or self.reference is not None:
+        self.reference = None  # a setup is for one model: never the reference of an earlier one
+        if not self.needs_reference or context.batch.get(REF_LOGPS) is not None:
             return
         self.reference = build_reference_model(context.model, self.ref_model, context.accelerator)
         # Chunked where the reference allows it, decided here once: every rank must run the same forwards (a sharded
