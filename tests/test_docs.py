@@ -73,7 +73,7 @@ COMMANDS = {
     "python -m pytest": ("skip", "the test suite itself (this test is part of it); CI runs it as written"),
     "accelerate launch recipes/dpo.py": (
         "skip",
-        "the DPO job (~4 min with its short SFT); tests/test_recipe_dpo.py runs the same recipe shortened",
+        "the DPO job (~2 min with its short SFT); tests/test_recipe_dpo.py runs the same recipe shortened",
     ),
     "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
         "skip",
