@@ -23,6 +23,7 @@ from .loss import (
 from .modeling import ModelArguments, apply_lora, build_tiny_llama, get_tokenizer, load_causal_lm
 from .objectives import (
     CausalLMObjective,
+    DPOObjective,
     FunctionObjective,
     LossFunctionObjective,
     ModelLossObjective,
@@ -34,6 +35,7 @@ from .objectives import (
     TokenObjective,
     get_objective,
 )
+from .preference_data import DataCollatorForPreference, build_preference_dataset, precompute_reference_logps
 from .step_gate import NonFiniteLossError
 from .trainer import TokenWeightedTrainer
 from .verify import verify_accumulation
@@ -58,6 +60,10 @@ __all__ = [
     "TokenBudgetBatchSampler",
     "pack_examples",
     "pack_dataset",
+    # preference pairs (DPO)
+    "build_preference_dataset",
+    "DataCollatorForPreference",
+    "precompute_reference_logps",
     # models
     "get_tokenizer",
     "load_causal_lm",
@@ -74,6 +80,7 @@ __all__ = [
     "ModelLossObjective",
     "FunctionObjective",
     "LossFunctionObjective",
+    "DPOObjective",
     "get_objective",
     # online policy gradients (GRPO, DAPO, Dr. GRPO)
     "PolicyGradientObjective",

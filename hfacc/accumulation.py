@@ -66,7 +66,8 @@ class MicroBatch:
 
     def scale(self, sums: LossSums) -> torch.Tensor:
         """The loss to backpropagate for this micro-batch: ``S_j / N * P`` (see :func:`normalize_window_loss`), or
-        the window's objective's own :meth:`hfacc.Objective.loss` (e.g. per completion for GRPO's sequence loss).
+        the window's objective's own :meth:`hfacc.Objective.loss` (each of its sums over its own unit's count: per
+        completion for GRPO's sequence loss, per pair for DPO).
 
         ``accelerator.backward`` divides by ``accelerator.gradient_accumulation_steps``; that division is undone
         here, so the result is exact whatever the Accelerator was built with.

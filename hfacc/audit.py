@@ -101,9 +101,14 @@ def audit_window(trainer) -> float:
         clear_grads(named)
         for batch in trainer.window.batches:
             batch = trainer._prepare_inputs(batch)
-            rows = batch["labels"].shape[0]
+            objective = trainer.objective
+            examples = objective.num_examples(batch)  # the objective's examples: a preference pair is two rows
             # 'micro_batch' is defined by the micro-batches themselves; the others are invariant to the split.
-            pieces = [batch] if normalization == "micro_batch" else [_rows(batch, i) for i in range(rows)]
+            pieces = (
+                [batch]
+                if normalization == "micro_batch"
+                else [objective.select_examples(batch, i, i + 1) for i in range(examples)]
+            )
             for piece in pieces:
                 loss, _, _ = compute_micro_batch_loss(
                     trainer.objective, model, piece, window, normalization=normalization, world_size=scale
@@ -124,10 +129,6 @@ def audit_window(trainer) -> float:
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     return relative_error(recomputed, trained)
-
-
-def _rows(batch, i):
-    return {k: v[i : i + 1] if torch.is_tensor(v) and v.dim() > 0 else v for k, v in batch.items()}
 
 
 def clear_grads(named):

@@ -312,9 +312,8 @@ def build_token_budget_loader(dataset, collator, args) -> DataLoader:
     """A DataLoader of micro-batches of at most ``args.max_tokens_per_batch`` padded tokens each
     (:class:`TokenBudgetBatchSampler`), with the Trainer's loader settings (workers, pinning, seed)."""
     budget = args.max_tokens_per_batch
-    lengths = dataset["input_ids"] if isinstance(dataset, datasets.Dataset) else [e["input_ids"] for e in dataset]
     sampler = TokenBudgetBatchSampler(
-        [len(x) for x in lengths],
+        get_example_lengths(dataset, collator),
         budget,
         shuffle=args.train_sampling_strategy != "sequential",
         seed=args.data_seed if args.data_seed is not None else args.seed,
@@ -334,6 +333,17 @@ def build_token_budget_loader(dataset, collator, args) -> DataLoader:
         pin_memory=args.dataloader_pin_memory,
         persistent_workers=args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
     )
+
+
+def get_example_lengths(dataset, collator=None) -> list[int]:
+    """Tokens each example takes in a padded micro-batch: ``collator.example_length(example)`` where the collator
+    says (a preference pair is two rows), else the length of its ``input_ids``."""
+    measure = getattr(getattr(collator, "data_collator", collator), "example_length", None)
+    if measure is not None:
+        return [measure(e) for e in dataset]
+    if isinstance(dataset, datasets.Dataset):
+        return [len(x) for x in dataset["input_ids"]]
+    return [len(e["input_ids"]) for e in dataset]
 
 
 def require_packing_support(model, batch) -> None:

@@ -1,10 +1,12 @@
-"""The ``hfacc`` command: ``hfacc sft``, ``hfacc grpo``, ``hfacc verify`` and ``hfacc show-mask``.
+"""The ``hfacc`` command: ``hfacc sft``, ``hfacc dpo``, ``hfacc grpo``, ``hfacc verify`` and ``hfacc show-mask``.
 
 hfacc sft                                      # the job of `accelerate launch recipes/sft.py` (hfacc/sft.py)
+hfacc dpo                                      # the job of `accelerate launch recipes/dpo.py` (hfacc/dpo.py)
 hfacc grpo                                     # the job of `accelerate launch recipes/grpo.py` (hfacc/grpo.py)
 hfacc verify                                   # embedded tiny Llama and data: PASS/FAIL in seconds
 hfacc verify --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name my.jsonl --gradient_accumulation_steps 8
 hfacc verify --config recipes/configs/smollm2-135m_full.yaml
+hfacc verify --objective dpo                   # preference pairs (--dataset_name: rows of prompt, chosen, rejected)
 accelerate launch --config_file accelerate_configs/ddp.yaml -m hfacc.cli verify    # the distributed path
 hfacc show-mask --dataset_name my.jsonl --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --count 3
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 COMMANDS = {
     "sft": "fine-tune with loss masking and exact accumulation (the job of recipes/sft.py)",
+    "dpo": "preference optimization (DPO, IPO, SimPO, ...), exact per pair (the job of recipes/dpo.py)",
     "grpo": "online RL (GRPO, DAPO, Dr. GRPO) with exact accumulation (the job of recipes/grpo.py)",
     "verify": "check that accumulation equals one big batch for a model and data",
     "show-mask": "print examples with the tokens that carry loss highlighted",
@@ -47,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from .sft import cli
 
         return cli(rest)
+    if command == "dpo":
+        from .dpo import cli as dpo_cli
+
+        return dpo_cli(rest)
     if command == "grpo":
         from .grpo import cli as grpo_cli
 
@@ -84,13 +91,20 @@ def run_verify(argv: list[str], guard) -> int:
         verify_args.per_device_train_batch_size * verify_args.gradient_accumulation_steps * accelerator.num_processes
     )
     # Extra rows: some may be dropped (no target left after truncation).
-    examples = build_examples(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
-    if verify_args.objective == "grpo":  # a fixed rollout of the model on the data's prompts
-        return _verify_policy_gradient(verify_args, model, tokenizer, examples, accelerator)
-    if is_vision_processor(tokenizer):  # a vision-language model's processor: images decoded per micro-batch
-        collate = DataCollatorForVisionLM(tokenizer)
+    if verify_args.objective == "dpo":  # preference pairs: the user's (prompt/chosen/rejected) or embedded ones
+        from .dpo import build_example_pairs
+        from .preference_data import DataCollatorForPreference
+
+        examples = build_example_pairs(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
+        collate = DataCollatorForPreference(tokenizer.pad_token_id)
     else:
-        collate = DataCollatorForCausalLM(tokenizer.pad_token_id)
+        examples = build_examples(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
+        if verify_args.objective == "grpo":  # a fixed rollout of the model on the data's prompts
+            return _verify_policy_gradient(verify_args, model, tokenizer, examples, accelerator)
+        if is_vision_processor(tokenizer):  # a vision-language model's processor: images decoded per micro-batch
+            collate = DataCollatorForVisionLM(tokenizer)
+        else:
+            collate = DataCollatorForCausalLM(tokenizer.pad_token_id)
     report = verify_accumulation(
         model,
         [examples[i] for i in range(min(len(examples), need))],

@@ -348,10 +348,14 @@ def format_train_log(logs: dict[str, float], prefix: str = "") -> str:
         parts.append(f"token acc {logs[prefix + 'token_accuracy']:.3f}")
     if prefix + "reward" in logs:  # online RL (GRPOTrainer): the sampled completions' mean reward
         parts.append(f"reward {logs[prefix + 'reward']:.3f}")
+    if prefix + "rewards/accuracies" in logs:  # preference pairs
+        parts.append(f"reward acc {logs[prefix + 'rewards/accuracies']:.3f}")
     if "target_tokens_per_second" in logs:
         parts.append(f"{logs['target_tokens_per_second']:,.0f} target tok/s")
     if "completion_tokens_per_second" in logs:
         parts.append(f"{logs['completion_tokens_per_second']:,.0f} completion tok/s")
+    if "pairs_per_second" in logs:
+        parts.append(f"{logs['pairs_per_second']:,.1f} pairs/s")
     if logs.get(prefix + "skipped_steps"):
         parts.append(f"skipped steps {logs[prefix + 'skipped_steps']}")
     if "accumulation_audit_error" in logs:
@@ -364,9 +368,14 @@ def format_eval_metrics(metrics: dict[str, float], prefix: str = "eval_") -> str
     parts = [f"loss {metrics[prefix + 'loss']:.4f}"] if prefix + "loss" in metrics else []
     if prefix + "token_accuracy" in metrics:
         parts.append(f"token acc {metrics[prefix + 'token_accuracy']:.3f}")
+    if prefix + "rewards/accuracies" in metrics:  # preference pairs
+        parts.append(f"reward acc {metrics[prefix + 'rewards/accuracies']:.3f}")
+        parts.append(f"margin {metrics[prefix + 'rewards/margins']:.3f}")
     detail = []
     if prefix + "num_targets" in metrics:
         detail.append(f"{metrics[prefix + 'num_targets']:,} targets")
+    if prefix + "num_pairs" in metrics:
+        detail.append(f"{metrics[prefix + 'num_pairs']:,} pairs")
     if prefix + "runtime" in metrics:
         detail.append(f"{metrics[prefix + 'runtime']:.1f} s")
     return "  ".join(parts) + (f"  ({', '.join(detail)})" if detail else "")

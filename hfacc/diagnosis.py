@@ -84,7 +84,17 @@ def diagnose(model, objective, batch, path, normalization, window, micro_batches
                 "pass an hfacc.Objective (or FunctionObjective) that returns loss sums and target counts",
             )
         )
-    if path == "stock":
+    if path == "stock" and objective.stock_normalization:
+        counts = [int(objective.count(b)[0]) for b in micro_batches]
+        findings.append(
+            Finding(
+                "peers' normalization",
+                len(set(counts)) == 1,
+                f"the mean of micro-batch means weighs micro-batches of {counts} {objective.units[0]} the same",
+                "use hfacc.TokenWeightedTrainer with this objective: each unit counted over the window",
+            )
+        )
+    elif path == "stock":
         findings.append(_stock_finding(model, objective, micro_batches, window))
     if normalization == "micro_batch":
         findings.append(

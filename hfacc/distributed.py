@@ -240,12 +240,13 @@ class EpochCursor:
     iterator: Any = None
     drawn: int = 0
 
-    def real_rows(self, iterator: Any, batch_samples: list) -> int:
-        """How many rows of the last of ``batch_samples`` (the window just drawn from ``iterator``) are real."""
+    def real_rows(self, iterator: Any, batch_samples: list, examples: int | None = None) -> int:
+        """How many examples of the last of ``batch_samples`` (the window just drawn from ``iterator``) are real;
+        ``examples``: how many it holds (default its rows; a preference pair is two rows, one example)."""
         if iterator is not self.iterator:  # a new epoch
             self.iterator, self.drawn, self.skip = iterator, self.skip, 0
         self.drawn += len(batch_samples)
-        return self.layout.real_rows(self.drawn - 1, num_rows(batch_samples[-1]))
+        return self.layout.real_rows(self.drawn - 1, num_rows(batch_samples[-1]) if examples is None else examples)
 
 
 def get_epoch_cursor(
@@ -286,7 +287,9 @@ def forward_set_epoch(loader: Any, batch_sampler: Any) -> None:
         shard.set_epoch = batch_sampler.set_epoch
 
 
-def trim_repeated_examples(batch_samples: list, real_rows: int, rank: int, warn: bool = True) -> tuple[set[int], int]:
+def trim_repeated_examples(
+    batch_samples: list, real_rows: int, rank: int, warn: bool = True, examples: Any = None
+) -> tuple[set[int], int]:
     """Cut the examples accelerate repeats at the end of an epoch out of a window's micro-batches, in place.
 
     With several ranks, accelerate (``even_batches``) fills the last batch of every rank with examples from the
@@ -295,13 +298,14 @@ def trim_repeated_examples(batch_samples: list, real_rows: int, rank: int, warn:
     :meth:`EpochLayout.real_rows`); a micro-batch that holds only repeats still runs (every rank must take part in
     the gradient all-reduce) but must contribute nothing.
 
-    Returns ``(indices of the micro-batches that hold only repeats, number of repeated rows cut)``; with ``warn``,
-    a cut is said at WARNING level.
+    ``examples`` (an :class:`hfacc.Objective`) says what an example of a batch is (``num_examples``,
+    ``select_examples``: a preference pair is two rows); None: a row. Returns ``(indices of the micro-batches that
+    hold only repeats, number of repeated examples cut)``; with ``warn``, a cut is said at WARNING level.
     """
     if not batch_samples:
         return set(), 0
     last = batch_samples[-1]
-    rows = num_rows(last)
+    rows = examples.num_examples(last) if examples is not None else num_rows(last)
     if real_rows >= rows:
         return set(), 0
     if warn:
@@ -312,7 +316,8 @@ def trim_repeated_examples(batch_samples: list, real_rows: int, rank: int, warn:
             rank,
             rows - real_rows,
         )
-    batch_samples[-1] = take_rows(last, max(real_rows, 1))
+    keep = max(real_rows, 1)
+    batch_samples[-1] = examples.select_examples(last, 0, keep) if examples is not None else take_rows(last, keep)
     return ({len(batch_samples) - 1} if real_rows == 0 else set()), rows - real_rows
 
 

@@ -6,8 +6,14 @@ import json
 from pathlib import Path
 
 
-def save_loss_curve(log_history: list[dict], path: str | Path, title: str = "hfacc training") -> Path:
-    """Plot training loss per logging step and evaluation loss where it was measured."""
+def save_loss_curve(
+    log_history: list[dict],
+    path: str | Path,
+    title: str = "hfacc training",
+    ylabel: str = "cross-entropy per target token",
+) -> Path:
+    """Plot training loss per logging step and evaluation loss where it was measured (and, for preference pairs,
+    the evaluation's reward accuracy on a second axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -21,9 +27,16 @@ def save_loss_curve(log_history: list[dict], path: str | Path, title: str = "hfa
     if evals:
         ax.plot(*zip(*evals, strict=True), "o--", label="eval loss")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy per target token")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
+    accuracy = [(h["step"], h["eval_rewards/accuracies"]) for h in log_history if "eval_rewards/accuracies" in h]
+    if accuracy:
+        twin = ax.twinx()
+        twin.plot(*zip(*accuracy, strict=True), "s:", color="tab:green", label="eval reward accuracy")
+        twin.set_ylabel("reward accuracy (held-out pairs)")
+        twin.set_ylim(0, 1.02)
+        twin.legend(loc="center right")
     ax.legend()
     fig.tight_layout()
     path = Path(path)

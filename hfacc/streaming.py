@@ -326,10 +326,12 @@ class StreamBatches(torch.utils.data.IterableDataset):
             examples = pack_examples(examples, self.stream.pack_length)
         if not self.max_tokens:
             return [examples[i : i + self.batch_size] for i in range(0, len(examples), self.batch_size)]
-        order = sorted(range(len(examples)), key=lambda i: -len(examples[i]["input_ids"]))
+        measure = getattr(self.collator, "example_length", None) or (lambda e: len(e["input_ids"]))
+        lengths = [measure(e) for e in examples]  # a preference pair takes two rows (its collator says so)
+        order = sorted(range(len(examples)), key=lambda i: -lengths[i])
         batches, current, longest = [], [], 0
         for i in order:
-            length = len(examples[i]["input_ids"])
+            length = lengths[i]
             full = self.batch_size and len(current) >= self.batch_size
             if current and (max(longest, length) * (len(current) + 1) > self.max_tokens or full):
                 batches.append(current)

@@ -53,7 +53,6 @@ from .distributed import (
     get_epoch_layout,
     get_gradient_scale,
     mark_for_deepspeed_skip,
-    num_rows,
     trim_repeated_examples,
     undo_evaluation_preparation,
 )
@@ -167,7 +166,8 @@ class TokenWeightedTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        if not hasattr(dataset, "__getitem__") or "input_ids" not in dataset[0]:
+        measured = hasattr(getattr(collator, "data_collator", collator), "example_length")
+        if not hasattr(dataset, "__getitem__") or not (measured or "input_ids" in dataset[0]):
             raise ValueError("max_tokens_per_batch needs a map-style dataset whose examples have 'input_ids'.")
         loader = build_token_budget_loader(dataset, collator, self.args)
         self._epoch_layout = get_epoch_layout(self.accelerator, num_batches=len(loader.batch_sampler))
@@ -192,27 +192,31 @@ class TokenWeightedTrainer(Trainer):
             self._stream_position = take_stream_position(batch_samples) or self._stream_position
         else:
             batch_samples = list(islice(epoch_iterator, num_batches))
+        if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
+            self._packing_checked = True
+            require_packing_support(self.model, self._prepare_inputs(batch_samples[0]))
+        if self.model_setup is None and batch_samples:
+            # Before the first window is counted, on every rank at the same window (its checks are collectives),
+            # even on a rank whose only micro-batch repeats examples (they are cut below, by the objective's examples).
+            self.setup_model(batch_samples[0])
         repeated = set()
         if batch_samples and self.accelerator.num_processes > 1 and self._stream_batches is None:
+            # The objective says what an example of a batch is (a preference pair is two rows).
+            examples = self.objective.num_examples(batch_samples[-1])
             if self._epoch_cursor is None:  # the first window of this train() call
                 loader, step = self.callback_handler.train_dataloader, self.state.global_step
                 accumulation = self.args.gradient_accumulation_steps
                 cursor = get_epoch_cursor(self._epoch_layout, loader, step, accumulation, self._data_skipped)
                 self._epoch_cursor = cursor or False
             if self._epoch_cursor:
-                real = self._epoch_cursor.real_rows(epoch_iterator, batch_samples)
+                real = self._epoch_cursor.real_rows(epoch_iterator, batch_samples, examples)
             else:  # a loader hfacc did not build: what accelerate's loader says of itself
-                real = count_real_rows(self.accelerator, num_rows(batch_samples[-1]))
+                real = count_real_rows(self.accelerator, examples)
             rank = self.accelerator.process_index
-            repeated, cut = trim_repeated_examples(batch_samples, real, rank, warn=not self._repeats_said)
+            repeated, cut = trim_repeated_examples(
+                batch_samples, real, rank, warn=not self._repeats_said, examples=self.objective
+            )
             self._repeats_said |= cut > 0
-        if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
-            self._packing_checked = True
-            require_packing_support(self.model, self._prepare_inputs(batch_samples[0]))
-        if self.model_setup is None and batch_samples:
-            # Before the first window is counted, on every rank at the same window (its checks are collectives),
-            # even on a rank whose only micro-batch repeats examples and is counted without it.
-            self.setup_model(batch_samples[0])
         first = self.window is None
         self.window = self.open_window(batch_samples, device, repeated, warn=first)
         return batch_samples, self.window.num_targets

@@ -100,15 +100,15 @@ class VerifyReport:
     model: str
 
     def format(self) -> str:
-        other = "stock transformers.Trainer" if self.path == "hfacc" else "hfacc TokenWeightedTrainer"
         w = self.window
+        other = w.get("stock", "stock transformers.Trainer") if self.path == "hfacc" else "hfacc TokenWeightedTrainer"
         lines = [
             "hfacc verify: do the accumulated micro-batches give the gradient of one big batch?",
             "",
             f"model       {self.model}",
             f"window      {w['micro_batch_size']} per micro-batch x {w['accumulation_steps']} micro-batches x "
-            f"{w['world_size']} rank(s) = {w['examples']} examples, {w['num_targets']} targets",
-            f"            targets per micro-batch (rank 0): {w['targets_per_micro_batch']}",
+            f"{w['world_size']} rank(s) = {w['examples']} examples, {w['num_targets']} {w.get('unit', 'targets')}",
+            f"            {w.get('unit', 'targets')} per micro-batch (rank 0): {w['targets_per_micro_batch']}",
             f"objective   {w['objective']}, normalization '{w['normalization']}', path '{self.path}'",
             f"loss        {w.get('loss_path', 'plain')}",
             "",
@@ -211,7 +211,7 @@ def verify_accumulation(
     loss_path = "plain"
     if objective.supports_fused:
         reference_objective.fused = False
-        loss_path = "fused chunked cross-entropy" if objective.fused else f"plain ({setup.loss_path_problem})"
+        loss_path = objective.fused_description if objective.fused else f"plain ({setup.loss_path_problem})"
     wrapped = accelerator.prepare_model(model) if world > 1 else model
     named = [(n, p) for n, p in get_base_model(model).named_parameters() if p.requires_grad]
 
@@ -230,6 +230,15 @@ def verify_accumulation(
                 if which == "hfacc":
                     loss, _, _ = compute_micro_batch_loss(
                         objective, wrapped, batch, window, normalization=normalization, world_size=scale
+                    )
+                elif objective.stock_normalization:  # what peers do with this loss (DPO: each micro-batch's mean / k)
+                    loss, _, _ = compute_micro_batch_loss(
+                        objective,
+                        wrapped,
+                        batch,
+                        window,
+                        normalization=objective.stock_normalization,
+                        world_size=scale,
                     )
                 else:
                     loss = stock_loss(wrapped, batch, objective, window, len(micro_batches), scale)
@@ -293,6 +302,10 @@ def verify_accumulation(
             "num_targets": window.num_targets,
             "targets_per_micro_batch": [int(objective.count(b)[0]) for b in micro_batches],
             "objective": objective.name,
+            "unit": objective.units[0],
+            "stock": "the mean of micro-batch means (as TRL's trainers)"
+            if objective.stock_normalization
+            else "stock transformers.Trainer",
             "normalization": normalization,
             "loss_path": loss_path,
         },
@@ -318,7 +331,7 @@ def _micro_batch_reference(model, objective, examples, collate, size, device):
     total = 0
     for part in parts:
         _, sums = objective(model, part)
-        total = total + sums.loss / sums.count.clamp(min=1)
+        total = total + objective.mean_loss(sums)
     return total / len(parts)
 
 

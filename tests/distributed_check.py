@@ -119,6 +119,10 @@ def main(out_path: str) -> None:
     mixed = all_ranks_agree(accelerator.process_index == 0, accelerator)
     results["agree"] = {"all yes": all_ranks_agree(True, accelerator), "one no": mixed}
     results["process_group_size"] = dist.get_world_size() if dist.is_initialized() else 1
+    # Preference pairs (DPO and its variants) on the same two ranks: tests/preference_check.py.
+    from tests.preference_check import ddp_cases
+
+    results["preference"] = ddp_cases(tmp)
 
     if accelerator.is_main_process:
         Path(out_path).write_text(json.dumps(results, indent=2))

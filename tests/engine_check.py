@@ -280,6 +280,29 @@ def overflow_check_off_case():
     return None
 
 
+def dpo_trainer_run(policy, pairs, objective, collate):
+    """One optimizer step of TokenWeightedTrainer with a preference objective: ``(applied update, trainer)``."""
+    before = torch.cat([p.detach().float().flatten().clone() for p in policy.parameters()])
+    args = train_args(
+        TMP,
+        1,
+        4,
+        args_class=TokenWeightedArguments,
+        learning_rate=LR,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        ddp_timeout=120,
+        use_cpu=not CUDA,
+        bf16=BF16,
+    )
+    partition_everything(args)
+    trainer = TokenWeightedTrainer(
+        model=policy, args=args, train_dataset=Dataset.from_list(pairs), data_collator=collate, objective=objective
+    )
+    trainer.train()
+    return (before - full_parameters(trainer.model)) / LR, trainer
+
+
 def main(engine: str, out_path: str) -> None:
     examples = imbalanced_examples()
     results = {"engine": engine, "cases": {}, "bf16": BF16, "cuda": CUDA}
@@ -304,6 +327,9 @@ def main(engine: str, out_path: str) -> None:
         run("trainer bs1 ga4 plain", trainer_case, examples, bs=1, ga=4, fused=False)
         if engine == "zero3":
             run("trainer bs1 ga4 fused tied", trainer_case, examples, bs=1, ga=4, tied=True)
+            from tests.preference_check import zero3_cases  # DPO: the reference partitioned like the policy
+
+            results["preference"] = zero3_cases(dpo_trainer_run)
         results["fused_vs_plain"] = relative_error(applied["trainer bs1 ga4 fused"], applied["trainer bs1 ga4 plain"])
         results["zero_stage"] = int(engine[-1])
         results["nonfinite"] = nonfinite_case()
@@ -334,6 +360,12 @@ def main(engine: str, out_path: str) -> None:
         run("loop full-shard fused tied", fsdp2_loop_case, accelerator, examples, tied=True)
         run("loop full-shard fused head-unit", fsdp2_loop_case, accelerator, examples, head_unit=True)
         results["fused_vs_plain"] = relative_error(applied["loop full-shard fused"], applied["loop full-shard plain"])
+        from tests.preference_check import fsdp2_case  # DPO: the reference sharded like the policy
+
+        results["preference"] = {
+            "fsdp2 loop copy": fsdp2_case(accelerator, VOCAB),
+            "fsdp2 loop given": fsdp2_case(accelerator, VOCAB, given=True),
+        }
     else:
         raise SystemExit(f"unknown engine {engine!r}")
 

@@ -235,6 +235,8 @@ def load_recipe(name: str = "sft"):
 def recipe_types(module):
     if hasattr(module, "GRPO_ARGUMENTS"):  # recipes/grpo.py
         return list(module.GRPO_ARGUMENTS)
+    if hasattr(module, "DPO_ARGUMENTS"):  # recipes/dpo.py
+        return list(module.DPO_ARGUMENTS)
     from hfacc import TokenWeightedArguments
     from hfacc.data import DataArguments
     from hfacc.modeling import ModelArguments

@@ -63,3 +63,28 @@ def test_stock_trainer_without_cross_rank_averaging_is_wrong(results):
 
 def test_a_shared_decision_needs_every_rank(results):
     assert results["agree"] == {"all yes": True, "one no": False}
+
+
+PREFERENCE_CASES = [
+    "sigmoid copy bs2 ga2 pf nll",
+    "ipo given bs1 ga4 padded",
+    "hinge peft bs3 ga2 pf nll",
+    "robust precomputed bs2 ga2 padded",
+    "simpo bs1 ga4 pf nll",
+    "sigmoid copy token budget nll",
+]
+
+
+@pytest.mark.parametrize("case", PREFERENCE_CASES)
+def test_preference_pairs_are_exact_on_two_ranks_with_uneven_pairs(results, case):
+    """tests/preference_check.py: 7 pairs over 2 ranks (a repeated pair cut), against the big batch of all 7."""
+    r = results["preference"][case]
+    assert r["grad_error"] <= TOL and r["steps"] == 1
+    assert r["loss_error"] <= 1e-5 and r["num_pairs"] == 7
+    assert r["padding_free"] is ("padded" not in case)
+
+
+def test_preference_evaluation_counts_every_pair_once_on_two_ranks(results):
+    r = results["preference"]["evaluation"]
+    assert r["num_pairs"] == 7  # accelerate's repeated pair dropped
+    assert r["accuracy_error"] <= 1e-6 and r["margin_error"] <= 1e-6 and r["logps_error"] <= 1e-6

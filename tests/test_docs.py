@@ -79,6 +79,10 @@ COMMANDS = {
         "skip",
         "the GRPO job (~2 min on 2 idle cores, a short SFT first); tests/test_grpo.py runs the same job shortened",
     ),
+    "accelerate launch recipes/dpo.py": (
+        "skip",
+        "the DPO job (~2 min with its short SFT); tests/test_recipe_dpo.py runs the same recipe shortened",
+    ),
     "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
         "skip",
         "downloads Qwen2.5-0.5B-Instruct and its dataset from the Hub",

@@ -214,3 +214,25 @@ def test_deepspeed_skips_nan_and_empty_windows_without_touching_the_weights(zero
 def test_deepspeed_without_its_overflow_check_is_refused(zero2):
     assert "zero_optimization.compute_grad_norm: true" in zero2["overflow_check_off"]
     assert "skip_nonfinite_steps=False" in zero2["overflow_check_off"]
+
+
+# ---- preference pairs (DPO): the reference sharded like the policy --------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["fsdp2 loop copy", "fsdp2 loop given"])
+def test_fsdp2_preference_reference_is_sharded_like_the_policy(fsdp2, case):
+    """tests/preference_check.py: the frozen copy (or the given model) is fully_shard-ed on the policy's units and
+    mesh (half of the [96, 32] head on each rank), and the DPO update with the NLL term is the big batch's."""
+    r = fsdp2["preference"][case]
+    assert r["grad_error"] <= GRAD_TOL and r["fused"] and r["reference_fused"]
+    assert r["reference_sharded"] and r["reference_head_numel"] == 96 * 32
+    assert r["reference_head_local_numel"] == 96 * 32 // 2
+
+
+@pytest.mark.parametrize("case", ["dpo copy", "dpo given"])
+def test_zero3_preference_reference_is_partitioned_like_the_policy(zero3, case):
+    r = zero3["preference"][case]
+    assert r["world_size"] == 2 and r["grad_error"] <= GRAD_TOL and r["loss_error"] <= LOSS_TOL and r["fused"]
+    # Each rank holds its partition of the reference (about half), as of the policy: never a second whole model.
+    assert r["reference_partitioned"] and r["reference_fused"]
+    assert r["reference_partition_numel"] <= r["reference_numel"] // 2 + 64

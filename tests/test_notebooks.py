@@ -74,6 +74,12 @@ def test_notebook_runs(path, record_property):
         assert results["weighted"] == {"4": 1.25, "2+2": 1.25, "1+1+1+1": 1.25, "3+1": 1.25}
         assert results["mean_of_means_3_1"] == 1.75
         assert results["four_steps"] == pytest.approx(2.31640625)
+    if path.name.startswith("06_"):  # the pair as the unit: its table of measured errors
+        rows = [line.split("|") for line in stdout_of(nb).splitlines() if line.startswith(("DPO ", "DPO + NLL"))]
+        errors = {(r[0].strip(), r[1].strip()): (float(r[2]), float(r[3])) for r in rows}
+        assert len(errors) == 8 and all(ours <= 1e-6 for _, ours in errors.values())
+        assert errors[("DPO", "3 x 3")][0] > 1e-2  # ragged: the mean of micro-batch means is off
+        assert all(errors[("DPO + NLL", split)][0] > 1e-2 for split in ("2 x 4", "1 x 8", "3 x 3"))
     if path.name.startswith("07_"):
         out = stdout_of(nb)
         rows = [line.split() for line in out.splitlines() if re.match(r"^\d x \d ", line)]

@@ -6,6 +6,7 @@
 - :mod:`~hfacc.objectives.heads`: token labels, sequence classification, multi-label, regression, the model's own loss;
 - :mod:`~hfacc.objectives.function`: objectives from the user's functions (``FunctionObjective``,
   ``compute_loss_func``);
+- :mod:`~hfacc.objectives.preference`: preference pairs (DPO, IPO, hinge, robust DPO, SimPO), exact per pair;
 - :mod:`~hfacc.objectives.policy_gradient`: the clipped policy-gradient loss of the GRPO family on rollout rows;
 - :mod:`~hfacc.objectives.choice`: :func:`get_objective`, which one a model calls for (``objective="auto"``).
 
@@ -24,6 +25,7 @@ from .heads import (
     TokenObjective,
 )
 from .policy_gradient import PolicyGradientObjective
+from .preference import DPOObjective
 
 __all__ = [
     "Objective",
@@ -37,6 +39,7 @@ __all__ = [
     "ModelLossObjective",
     "FunctionObjective",
     "LossFunctionObjective",
+    "DPOObjective",
     "PolicyGradientObjective",
     "OBJECTIVES",
     "get_objective",

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed import num_rows
 from ..loss import LossSums, WindowCounts, normalize_window_loss
 
 
@@ -98,6 +99,7 @@ class Objective(ABC):
     # ``check_fused(model, batch, normalization)``: why not for this model (None: it can).
     supports_fused = False
     fused = False
+    fused_description = "fused chunked cross-entropy"  # what the fused path is, in words (hfacc verify's report)
     fused_in_eval = True  # False while an evaluation needs the logits (predictions, compute_metrics)
     # Per-row entries of a batch (shape [B]) that the objective reads and that are no model inputs (advantages,
     # precomputed reference log-probs, ...): a padding-free layout keeps them as they are, indexed by original row.
@@ -107,6 +109,10 @@ class Objective(ABC):
     columns: tuple[str, ...] = ()
     # The name under which the primary unit's rate is logged.
     rate_name = "target_tokens_per_second"
+    # What peers do with this loss under accumulation, for ``hfacc verify``'s comparison: None, the model's own loss
+    # as stock ``transformers.Trainer`` computes it; or a normalization of this objective's own loss (e.g.
+    # "micro_batch": each micro-batch's mean over k, as TRL's DPOTrainer does).
+    stock_normalization: str | None = None
 
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
@@ -150,6 +156,21 @@ class Objective(ABC):
         if self.has_accuracy and count:
             logs[f"{prefix}token_accuracy"] = correct / count
         return logs
+
+    def num_examples(self, batch: Mapping[str, Any]) -> int:
+        """How many dataset examples ``batch`` holds (default: its rows; a preference pair is two rows)."""
+        return num_rows(batch)
+
+    def select_examples(self, batch: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
+        """Examples ``start..stop`` of a collated ``batch`` (default: those rows of every tensor with the batch's rows).
+
+        What cuts the examples accelerate repeats out of a micro-batch, and what the audit splits a window into.
+        """
+        rows = num_rows(batch)
+        return {
+            k: v[start:stop] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows else v
+            for k, v in batch.items()
+        }
 
     def zero_sums(self, sums: Any) -> Any:
         """``sums`` with every entry zero (a micro-batch of examples accelerate only repeated contributes nothing)."""

@@ -21,6 +21,7 @@ from .heads import (
     TokenObjective,
 )
 from .policy_gradient import PolicyGradientObjective
+from .preference import DPOObjective
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ OBJECTIVES = {
         MultiLabelObjective,
         RegressionObjective,
         ModelLossObjective,
+        DPOObjective,
         PolicyGradientObjective,
     )
 }
@@ -73,7 +75,7 @@ def _pick_objective(model: nn.Module, batch: Mapping[str, Any], name: str, label
             return TokenObjective(label_smoothing, encoder_decoder=is_encoder_decoder)
         if name == PolicyGradientObjective.name:  # its settings are its own (loss_type, epsilon, ...): the defaults
             return PolicyGradientObjective()
-        return OBJECTIVES[name](label_smoothing)
+        return OBJECTIVES[name](label_smoothing=label_smoothing)
 
     labels = batch.get("labels")
     if not torch.is_tensor(labels):
