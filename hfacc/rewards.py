@@ -38,7 +38,7 @@ def similarity(prompts: Sequence[Any], completions: Sequence[Any], answer: Seque
     all wrong still rank them.
 
     >>> similarity(["q"], ["T I G E"], answer=["T I G E R"])
-    [0.9333333333333333]
+    [0.875]
     """
     return [
         difflib.SequenceMatcher(None, completion_text(c).strip(), str(a).strip()).ratio()
