@@ -162,6 +162,11 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
         torch.set_num_threads(dpo_args.torch_threads)  # the short SFT, pair building and DPO all run in this process
     setup_console(args)
     set_seed(args.seed)
+    if args.label_smoothing_factor:  # the objective reads --label_smoothing (TRL's DPOConfig name): never both
+        raise ConfigError(
+            f"label_smoothing_factor={args.label_smoothing_factor} is transformers' cross-entropy smoothing, which "
+            "the DPO job does not read; set --label_smoothing (conservative DPO's eps, robust's flip rate) instead."
+        )
     resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
     embedded = model_args.model_name_or_path is None
     if embedded:

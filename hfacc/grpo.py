@@ -29,7 +29,7 @@ from .config import parse_args
 from .console import run_recipe, setup_console, use_console, write
 from .data import DataError
 from .evaluation import exact_match_by_group, generate_answers
-from .grpo_trainer import GRPOArguments, GRPOTrainer
+from .grpo_trainer import GRPOArguments, GRPOTrainer, check_reward_weights
 from .modeling import ModelArguments, load_model_and_tokenizer
 from .report import save_reward_curve, write_json
 from .rewards import get_reward_funcs
@@ -92,9 +92,10 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
     start = time.perf_counter()
     setup_console(args)
     set_seed(args.seed)
+    funcs = get_reward_funcs(job.reward_funcs)  # a bad name or weight is an error now, not after a short SFT
+    check_reward_weights(args.reward_weights, funcs)
     model, tokenizer, source = load_policy(job, model_args, args)
     train_prompts, eval_prompts = build_prompts(job, args.seed)
-    funcs = get_reward_funcs(job.reward_funcs)
     main_process = args.process_index == 0
     before = evaluate_policy(model, tokenizer, eval_prompts, funcs, args) if main_process else None
     trainer = GRPOTrainer(model, funcs, args, train_dataset=train_prompts, processing_class=tokenizer)

@@ -36,6 +36,7 @@ from transformers import TrainingArguments
 
 from .arguments import TokenWeightedArguments
 from .collator import DataCollatorForCausalLM
+from .config import ConfigError
 from .logprobs import check_fused_logprobs, get_token_logprobs
 from .loss import shift_labels
 from .objectives.policy_gradient import LOSS_TYPE_ALIASES, LOSS_TYPES, PolicyGradientObjective
@@ -133,6 +134,24 @@ def validate_grpo_settings(args: GRPOArguments) -> None:
         raise ValueError("normalization='sequence' does not apply to GRPO: set loss_type='sequence' instead.")
     if not args.temperature > 0:
         raise ValueError(f"temperature={args.temperature}: it must be > 0.")
+    # The loss's own checks (epsilon, epsilon_high, beta), here where the settings are made: a job would otherwise
+    # meet them only when its trainer is built, after a short SFT and the held-out scoring, as a traceback.
+    PolicyGradientObjective(
+        loss_type=args.loss_type,
+        epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high,
+        beta=args.beta,
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+    )
+
+
+def check_reward_weights(weights: Sequence[float] | None, funcs: Sequence[Callable]) -> None:
+    """One weight per reward function, or none (all 1): a :class:`ConfigError` (a user's setting) otherwise."""
+    if weights is not None and len(weights) != len(funcs):
+        raise ConfigError(
+            f"reward_weights has {len(weights)} weights for {len(funcs)} reward functions: give one each."
+        )
 
 
 def as_grpo_arguments(args: TrainingArguments | None) -> GRPOArguments:
@@ -194,10 +213,7 @@ class GRPOTrainer(TokenWeightedTrainer):
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not funcs or not all(callable(f) for f in funcs):
             raise ValueError("reward_funcs must be a function f(prompts, completions, **columns) or a list of them.")
-        if args.reward_weights is not None and len(args.reward_weights) != len(funcs):
-            raise ValueError(
-                f"reward_weights has {len(args.reward_weights)} weights for {len(funcs)} reward functions: give one each."
-            )
+        check_reward_weights(args.reward_weights, funcs)
         if train_dataset is None or "prompt" not in getattr(train_dataset, "column_names", ()):
             raise ValueError(
                 "train_dataset must be a datasets.Dataset with a 'prompt' column (text or chat messages)."

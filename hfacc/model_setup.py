@@ -72,6 +72,7 @@ def build_model_setup(
     args=None,
     trainer=None,
     longest_sequence: int = 0,
+    initial_policy: nn.Module | None = None,
 ) -> ModelSetup:
     """Take the per-model decisions for ``model`` from its first micro-batch ``batch`` (already on the device).
 
@@ -84,6 +85,8 @@ def build_model_setup(
             (:class:`hfacc.objectives.SetupContext`).
         longest_sequence: the training data's longest sequence where it is known (0: not known), so that the
             padding-free check runs rows as long as training will lay out, not only the first micro-batch's.
+        initial_policy: a resumed run's copy of the policy before its checkpoint loaded, for the reference of an
+            objective that copies the policy (:meth:`hfacc.Objective.copies_policy`).
     """
     if isinstance(objective, str):
         objective = get_objective(model, batch, name=objective, label_smoothing=label_smoothing)
@@ -113,7 +116,7 @@ def build_model_setup(
             logger.info("hfacc: fused chunked loss: the full logits are never materialized.")
         elif fused_loss:
             logger.warning("hfacc: plain loss path (full logits): %s.", problem)
-    objective.setup(SetupContext(model, batch, accelerator, args, trainer))
+    objective.setup(SetupContext(model, batch, accelerator, args, trainer, initial_policy))
     accumulation = getattr(args, "gradient_accumulation_steps", 1) or 1
     if accumulation > 1 or accelerator.num_processes > 1 or getattr(args, "max_tokens_per_batch", 0):
         _warn_about_router_loss(model)

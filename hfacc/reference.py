@@ -3,7 +3,8 @@
 Three ways to have one, as TRL offers them (:func:`build_reference_model`):
 
 - a model the user gives (``ref_model=``);
-- by default, a frozen copy of the policy taken when training starts (before its first update);
+- by default, a frozen copy of the policy taken when training starts (before its first update; a resumed run copies
+  the policy as it was before the checkpoint's weights were loaded into it: :func:`copy_initial_policy`);
 - for a PEFT policy, the policy itself with its adapter disabled: the base weights *are* the reference, so no
   second copy is held.
 
@@ -99,11 +100,31 @@ class ReferenceModel:
         return f"ReferenceModel({kind})"
 
 
-def build_reference_model(policy: nn.Module, ref_model: nn.Module | None = None, accelerator=None) -> ReferenceModel:
+def copy_initial_policy(policy: nn.Module) -> nn.Module | None:
+    """A frozen copy of ``policy`` as it is now, for the reference of a run that resumes from a checkpoint.
+
+    The default reference is the policy as training *started*; a resumed run loads the checkpoint's trained weights
+    into the policy before its first window, so a copy taken there would be the trained policy (every implicit
+    reward starts at 0 again, and the loss silently changes). The Trainer takes this copy before it loads them.
+    None where the policy's parameters are already partitioned (DeepSpeed ZeRO-3's ``zero.Init``): no rank holds
+    the whole weights to copy.
+    """
+    module = get_base_model(unwrap_model(policy))
+    if any(hasattr(p, "ds_id") for p in module.parameters()):
+        return None
+    copied = copy.deepcopy(module)
+    copied.requires_grad_(False)
+    return copied.eval()
+
+
+def build_reference_model(
+    policy: nn.Module, ref_model: nn.Module | None = None, accelerator=None, initial_policy: nn.Module | None = None
+) -> ReferenceModel:
     """The reference of ``policy``: ``ref_model`` if given, else the PEFT base or a frozen copy (see the module doc),
     placed like the policy.
 
-    Call it before the policy's first update: the copy is of the weights as they are now. Under DeepSpeed ZeRO-3 and
+    Call it before the policy's first update: the copy is of the weights as they are now, or ``initial_policy``'s
+    (:func:`copy_initial_policy`: the policy before a resumed run loaded its checkpoint). Under DeepSpeed ZeRO-3 and
     FSDP2 the reference is sharded as the policy is (:func:`build_sharded_reference`), so no rank ever holds a
     second whole model; under DDP and ZeRO-1/2 it is whole on every rank (it takes no gradient, so it is not wrapped).
     """
@@ -119,6 +140,9 @@ def build_reference_model(policy: nn.Module, ref_model: nn.Module | None = None,
     if is_peft_model(policy):
         logger.info("hfacc: reference model: the PEFT policy with its adapter disabled (no second copy).")
         return ReferenceModel(unwrap_model(policy), disable_adapter=True)
+    if initial_policy is not None:
+        logger.info("hfacc: reference model: a frozen copy of the policy as the run started (before its checkpoint).")
+        return build_reference_model(policy, initial_policy, accelerator)
     engine = sharded_engine(policy, accelerator)
     if engine is not None:
         return build_sharded_reference(policy, accelerator, engine)
@@ -280,6 +304,7 @@ __all__ = [
     "ReferenceModel",
     "build_reference_model",
     "build_sharded_reference",
+    "copy_initial_policy",
     "sharded_engine",
     "unwrap_model",
     "is_peft_model",

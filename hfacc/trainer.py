@@ -62,6 +62,7 @@ from .model_setup import ModelSetup, build_model_setup
 from .multimodal import IMAGE_COLUMN
 from .objectives import OBJECTIVES, ModelLossObjective, Objective
 from .padding_free import padded_neftune_noise, remove_padding
+from .reference import copy_initial_policy, is_peft_model
 from .step_gate import NonFiniteLossError, StepGate
 from .streaming import (
     SFTStream,
@@ -107,6 +108,7 @@ class TokenWeightedTrainer(Trainer):
     _nothing_to_train = False  # a finished run was resumed: no step, no save
     _resumed_counters: dict | None = None  # the step gate's counts saved in the checkpoint resumed from
     _run_settings: dict | None = None  # what identifies this run in its checkpoints (hfacc/checkpoint.py)
+    _initial_policy = None  # a resumed run's copy of the policy before its checkpoint loaded (the reference's)
 
     def __init__(self, model=None, args=None, *rest, objective: Objective | str | None = None, **kwargs):
         args = as_token_weighted_arguments(args)
@@ -258,7 +260,9 @@ class TokenWeightedTrainer(Trainer):
             args=self.args,
             trainer=self,
             longest_sequence=get_longest_sequence(self.train_dataset),
+            initial_policy=self._initial_policy,
         )
+        self._initial_policy = None  # the reference holds what it needs of it
         self.objective = self.model_setup.objective
         return self.model_setup
 
@@ -379,6 +383,8 @@ class TokenWeightedTrainer(Trainer):
                 "stream's position); resume it with --streaming true and the same data, or start afresh."
             )
         undo_evaluation_preparation(self.accelerator, self.model, self.model_wrapped)
+        if resume_from_checkpoint is not None and self.model_setup is None:
+            self._initial_policy = self._copy_initial_policy(resume_from_checkpoint)
         self._stream_resume = resume_from_checkpoint if streaming else None
         marker = read_marker(resume_from_checkpoint) if resume_from_checkpoint else None
         self._resumed_counters = (marker or {}).get("hfacc")  # the step gate's counts go on from the checkpoint's
@@ -407,6 +413,27 @@ class TokenWeightedTrainer(Trainer):
             )
         # The stock value is the mean of per-step means; `log` put the exact token-weighted one in the metrics.
         return output._replace(training_loss=output.metrics.get("train_loss", float("nan")))
+
+    def _copy_initial_policy(self, checkpoint) -> torch.nn.Module | None:
+        """The policy as the run started, copied before the Trainer loads ``checkpoint``'s weights into it, where the
+        objective's reference is such a copy (:meth:`hfacc.Objective.copies_policy`; None otherwise): a copy taken at
+        the first window would be the trained policy, and the resumed run would silently train another loss."""
+        objective = self.objective
+        if objective is None:  # given by name: the named objective's defaults decide (e.g. 'dpo': a sigmoid loss)
+            try:
+                objective = OBJECTIVES[self._objective_setting]()
+            except (KeyError, TypeError):
+                return None
+        if not objective.copies_policy() or is_peft_model(self.model):  # a PEFT base is its own reference
+            return None
+        initial = copy_initial_policy(self.model)
+        if initial is None:
+            raise ConfigError(
+                f"Cannot resume from {checkpoint}: the objective's reference is a copy of the policy as training "
+                "started, and DeepSpeed ZeRO-3 partitioned the policy before training, so no rank can copy it; pass "
+                "ref_model=<the starting model> (or precomputed reference log-probs)."
+            )
+        return initial
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         """Stock loading, except for weights saved under the model's checkpoints' original names (Qwen2-VL, Gemma 3,

@@ -142,6 +142,8 @@ def test_group_advantages():
         ({"num_generations": 1}, "num_generations=1"),
         ({"loss_type": "bnpo"}, "loss_type='bnpo'"),
         ({"normalization": "sequence"}, "set loss_type='sequence'"),
+        ({"beta": -1.0}, "beta=-1.0"),  # the loss's own checks, where the settings are made
+        ({"epsilon": -1.0}, "epsilon=-1.0"),
     ],
 )
 def test_settings_are_checked(tmp_path, settings, message):
@@ -257,3 +259,17 @@ def test_the_recipe_and_hfacc_grpo_share_one_definition_of_the_settings():
 
     recipe = load_recipe("grpo")
     assert recipe.main is hfacc.grpo.main and recipe_types(recipe) == list(hfacc.grpo.GRPO_ARGUMENTS)
+
+
+@pytest.mark.parametrize("flags", [["--beta", "-1"], ["--reward_weights", "1", "2"]])
+def test_hfacc_grpo_refuses_bad_settings_before_any_training(flags, tmp_path, capsys):
+    """One ``error:`` line, exit 2, before the job's short SFT (a minute): not a traceback once it is done."""
+    from hfacc.console import run_recipe
+    from hfacc.grpo import GRPO_ARGUMENTS, main
+
+    argv = ["--output_dir", str(tmp_path), "--sft_output_dir", str(tmp_path / "none"), *flags]
+    with pytest.raises(SystemExit) as exit_info:
+        run_recipe(main, GRPO_ARGUMENTS, argv=argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and "Traceback" not in err
+    assert not (tmp_path / "sft").exists()

@@ -350,6 +350,49 @@ def test_token_budget_micro_batches_give_the_big_batch(loss_type, kind, padding_
     assert len(capture.grads) == 1 and relative_error(capture.grads[0], want) <= TOL
 
 
+@pytest.mark.parametrize("objective", ["dpo", "instance"])
+def test_a_resumed_run_compares_with_the_policy_as_the_run_started(objective, pairs, tmp_path):
+    """The default reference is the policy as training started. A resumed run loads the checkpoint's trained
+    weights before its first window: the copy is taken before that load, else the resumed steps would compare the
+    policy with itself (every reward 0 again: a silently different loss: 1.6e-2 off here)."""
+
+    def trainer_for(max_steps):
+        policy = build_tiny_llama(vocab_size=VOCAB, hidden_size=32, num_layers=1, seed=0)
+        args = train_args(
+            tmp_path,
+            2,
+            1,
+            args_class=TokenWeightedArguments,
+            learning_rate=0.5,
+            optim="sgd",
+            max_steps=max_steps,
+            lr_scheduler_type="constant",
+            save_strategy="steps",
+            save_steps=1,
+            padding_free=False,
+        )
+        capture = CaptureGradients(policy)
+        trainer = TokenWeightedTrainer(
+            model=policy,
+            args=args,
+            train_dataset=Dataset.from_list(pairs[:4]),
+            data_collator=COLLATE,
+            objective=DPOObjective(beta=BETA) if objective == "instance" else "dpo",
+            callbacks=[capture],
+        )
+        return trainer, capture
+
+    first, _ = trainer_for(1)
+    first.train()
+    start = build_tiny_llama(vocab_size=VOCAB, hidden_size=32, num_layers=1, seed=0)
+    want, _ = big_batch(first.model, pairs[2:4], "sigmoid", reference_logps(start, pairs[2:4]), eps=0.0)
+    resumed, capture = trainer_for(2)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert len(capture.grads) == 1 and relative_error(capture.grads[0], want) <= TOL
+    step_two = next(h for h in resumed.state.log_history if h["step"] == 2 and "loss" in h)
+    assert step_two["rewards/margins"] != 0.0
+
+
 def test_evaluation_logs_trls_metrics_over_all_pairs(models, pairs, tmp_path):
     """evaluate(): each metric averaged over the evaluation's pairs (batches of 3, 3, 2), under TRL's names."""
     policy, given, examples, ref = setting(models, pairs, "given")

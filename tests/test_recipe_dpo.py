@@ -53,3 +53,16 @@ def test_hfacc_dpo_is_the_recipes_job(capsys):
         cli_main(["dpo", "--beta", "0"])
     assert exit_info.value.code == 2
     assert "error: beta=0.0: it must be > 0." in capsys.readouterr().err
+
+
+def test_hfacc_dpo_refuses_transformers_label_smoothing_before_any_training(tmp_path, capsys):
+    """--label_smoothing_factor (transformers' cross-entropy smoothing) is not the DPO loss's --label_smoothing: the
+    job refuses it at once, before its short SFT, instead of training without the smoothing the user asked for."""
+    from hfacc.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["dpo", "--output_dir", str(tmp_path), "--sft_model_dir", str(tmp_path / "none")]
+                 + ["--label_smoothing_factor", "0.1"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "error: label_smoothing_factor=0.1" in err and "--label_smoothing" in err
+    assert not (tmp_path / "sft").exists()

@@ -47,6 +47,9 @@ class SetupContext:
         accelerator: the run's ``accelerate.Accelerator``.
         args: the run's :class:`hfacc.TokenWeightedArguments` (None outside a trainer, e.g. ``hfacc verify``).
         trainer: the :class:`hfacc.TokenWeightedTrainer`, when there is one (e.g. to read its datasets once).
+        initial_policy: a resumed run's copy of the policy taken before the checkpoint's weights were loaded into it
+            (:func:`hfacc.reference.copy_initial_policy`), for an objective that :meth:`Objective.copies_policy`;
+            None: the model is as training started.
     """
 
     model: nn.Module
@@ -54,6 +57,7 @@ class SetupContext:
     accelerator: Any
     args: Any = None
     trainer: Any = None
+    initial_policy: Any = None
 
 
 class Objective(ABC):
@@ -156,6 +160,11 @@ class Objective(ABC):
         if self.has_accuracy and count:
             logs[f"{prefix}token_accuracy"] = correct / count
         return logs
+
+    def copies_policy(self) -> bool:
+        """Whether :meth:`setup` copies the policy as training starts (a frozen reference): a resumed run must then
+        take the copy before the checkpoint's weights are loaded (:class:`SetupContext`'s ``initial_policy``)."""
+        return False
 
     def num_examples(self, batch: Mapping[str, Any]) -> int:
         """How many dataset examples ``batch`` holds (default: its rows; a preference pair is two rows)."""

@@ -223,6 +223,9 @@ class PolicyGradientObjective(Objective):
         self.reference = None  # built by setup() when beta > 0 and the rows carry no ref_logps
         self.fused, self.chunk_size = False, 0
 
+    def copies_policy(self) -> bool:
+        return self.beta > 0 and self.ref_model is None and self.reference is None
+
     # ---- once per model ----------------------------------------------------------------------------------------
     def setup(self, context) -> None:
         if get_num_virtual_tokens(context.model):
@@ -230,7 +233,9 @@ class PolicyGradientObjective(Objective):
                 "PolicyGradientObjective: PEFT prompt tuning puts virtual tokens before every row; use LoRA instead."
             )
         if self.beta > 0 and self.reference is None and context.batch.get("ref_logps") is None:
-            self.reference = build_reference_model(context.model, self.ref_model, context.accelerator)
+            self.reference = build_reference_model(
+                context.model, self.ref_model, context.accelerator, initial_policy=context.initial_policy
+            )
 
     def check_fused(self, model, batch, normalization: str = "token") -> str | None:
         """Why the chunked log-probs would not be the model's own (None: they are): :func:`check_fused_logprobs`."""

@@ -262,6 +262,9 @@ class DPOObjective(Objective):
     def needs_reference(self) -> bool:
         return self.loss_type in REFERENCE_LOSSES
 
+    def copies_policy(self) -> bool:
+        return self.needs_reference and self.ref_model is None
+
     # ---- once per model ----------------------------------------------------------------------------------------
     def setup(self, context: SetupContext) -> None:
         """Build the reference (unless the batches carry precomputed reference log-probs, or the loss needs none),
@@ -275,7 +278,9 @@ class DPOObjective(Objective):
         self.reference = None  # a setup is for one model: never the reference of an earlier one
         if not self.needs_reference or context.batch.get(REF_LOGPS) is not None:
             return
-        self.reference = build_reference_model(context.model, self.ref_model, context.accelerator)
+        self.reference = build_reference_model(
+            context.model, self.ref_model, context.accelerator, initial_policy=context.initial_policy
+        )
         # Chunked where the reference allows it, decided here once: every rank must run the same forwards (a sharded
         # reference gathers its weights in them).
         problem = self.reference.check_fused(self._inputs(context.batch), self._targets(context.batch))
