@@ -296,3 +296,18 @@ def test_a_hand_written_loop_scales_by_the_objectives_own_loss(setup):
             accelerator.backward(mb.scale(sums))
     assert relative_error(flat_grad(model), refs[("sequence", 0.0)][0]) <= 1e-6
     model.zero_grad()
+
+
+def test_one_objective_set_up_for_a_second_model_compares_with_that_models_copy(setup):
+    """The same PolicyGradientObjective (beta > 0, no ref_model) set up for a second model: its KL reference is a
+    frozen copy of that model, never the first one's kept from the earlier setup (review of #24)."""
+    model, _, rows, _ = setup
+    other = build_tiny_llama(vocab_size=VOCAB, hidden_size=32, num_layers=1, seed=5)
+    objective = PolicyGradientObjective(beta=BETA)
+    batch = DataCollatorForCausalLM(pad_token_id=0)(rows[:2])
+    for policy in (model, other):
+        objective.setup(SetupContext(policy, batch, CPU))
+        copy = objective.reference.module
+        assert copy is not policy
+        for mine, theirs in zip(copy.parameters(), policy.parameters(), strict=True):
+            assert torch.equal(mine, theirs)

@@ -224,7 +224,7 @@ class PolicyGradientObjective(Objective):
         self.fused, self.chunk_size = False, 0
 
     def copies_policy(self) -> bool:
-        return self.beta > 0 and self.ref_model is None and self.reference is None
+        return self.beta > 0 and self.ref_model is None
 
     # ---- once per model ----------------------------------------------------------------------------------------
     def setup(self, context) -> None:
@@ -232,7 +232,8 @@ class PolicyGradientObjective(Objective):
             raise ValueError(
                 "PolicyGradientObjective: PEFT prompt tuning puts virtual tokens before every row; use LoRA instead."
             )
-        if self.beta > 0 and self.reference is None and context.batch.get("ref_logps") is None:
+        self.reference = None  # a setup is for one model: never the reference of an earlier one
+        if self.beta > 0 and context.batch.get("ref_logps") is None:
             self.reference = build_reference_model(
                 context.model, self.ref_model, context.accelerator, initial_policy=context.initial_policy
             )
