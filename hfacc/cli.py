@@ -121,14 +121,7 @@ def run_verify(argv: list[str], guard) -> int:
         seed=verify_args.seed,
         fused_loss=verify_args.fused_loss,
     )
-    if accelerator.is_main_process:
-        print(report.format(), flush=True)
-        if verify_args.json_path:
-            with open(verify_args.json_path, "w") as f:
-                json.dump(report.to_dict(), f, indent=2, default=str)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return 0 if report.passed else 1
+    return _finish_verify(report, verify_args, accelerator)
 
 
 def _verify_policy_gradient(verify_args, model, tokenizer, examples, accelerator) -> int:
@@ -150,6 +143,11 @@ def _verify_policy_gradient(verify_args, model, tokenizer, examples, accelerator
         seed=verify_args.seed,
         fused_loss=verify_args.fused_loss,
     )
+    return _finish_verify(report, verify_args, accelerator)
+
+
+def _finish_verify(report, verify_args, accelerator) -> int:
+    """Print ``report`` (and write its JSON) on the main process, stop every rank together; 0 if it passed."""
     if accelerator.is_main_process:
         print(report.format(), flush=True)
         if verify_args.json_path:

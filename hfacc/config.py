@@ -108,6 +108,12 @@ def _convert(action: argparse.Action, path: str | Path, key: str, value: Any) ->
     return value
 
 
+def get_default_config(argv: Sequence[str], default: str | Path) -> str | Path | None:
+    """A recipe's tiny default YAML (``default``), which applies only when the command line names no model (a
+    ``--config`` given there is read by :func:`parse_args` itself, over the default)."""
+    return None if any(a.startswith("--model_name_or_path") for a in argv) else default
+
+
 def parse_args(
     dataclass_types: Sequence[type],
     args: Sequence[str] | None = None,

@@ -30,7 +30,7 @@ from transformers import set_seed
 
 from .arguments import TokenWeightedArguments
 from .checkpoint import resolve_checkpoint
-from .config import ConfigError, parse_args
+from .config import ConfigError, get_default_config, parse_args
 from .console import run_recipe, setup_console, use_console, write
 from .evaluation import exact_match_by_group, exact_match_on_conversations, generate_answers
 from .modeling import ModelArguments, get_tokenizer, load_causal_lm, load_model_and_tokenizer
@@ -457,7 +457,7 @@ def conversations_of(raw_eval) -> list[dict]:
 
 def default_config(argv: Sequence[str]) -> Path | None:
     """The tiny default YAML applies only when the user names neither a config nor a model."""
-    return None if any(a.startswith("--model_name_or_path") for a in argv) else DEFAULT_CONFIG
+    return get_default_config(argv, DEFAULT_CONFIG)
 
 
 # The job's settings: `hfacc dpo` and recipes/dpo.py read them.

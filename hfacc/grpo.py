@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import set_seed
 
-from .config import parse_args
+from .config import get_default_config, parse_args
 from .console import run_recipe, setup_console, use_console, write
 from .data import DataError
 from .evaluation import exact_match_by_group, generate_answers
@@ -302,7 +302,7 @@ def format_summary(metrics: dict, output_dir: str) -> str:
 
 def default_config(argv: Sequence[str]) -> Path | None:
     """The tiny default YAML applies only when the user names neither a config nor a model."""
-    return None if any(a.startswith("--model_name_or_path") for a in argv) else DEFAULT_CONFIG
+    return get_default_config(argv, DEFAULT_CONFIG)
 
 
 GRPO_ARGUMENTS = (GRPOJobArguments, ModelArguments, GRPOArguments)

@@ -25,6 +25,7 @@ from transformers import set_seed
 from .arguments import TokenWeightedArguments
 from .checkpoint import get_run_settings, prepare_run
 from .collator import DataCollatorForCausalLM
+from .config import get_default_config
 from .console import run_recipe, setup_console, use_console, write
 from .data import DataArguments, build_datasets
 from .evaluation import exact_match_by_group, exact_match_on_conversations
@@ -164,7 +165,7 @@ def format_summary(metrics: dict, output_dir: str) -> str:
 
 def default_config(argv: Sequence[str]) -> Path | None:
     """The tiny default YAML applies only when the user names neither a config nor a model."""
-    return None if any(a.startswith("--model_name_or_path") for a in argv) else DEFAULT_CONFIG
+    return get_default_config(argv, DEFAULT_CONFIG)
 
 
 # What the job's settings are: `hfacc sft`, the recipe and `hfacc verify --config` (which skips SFTArguments) read them.
