@@ -227,10 +227,9 @@ def get_longest_sequence(dataset) -> int:
         return 0
     import pyarrow.compute as pc
 
-    column = dataset.data.column("input_ids")
-    if dataset._indices is not None:  # a select()/shuffle() view: the rows it holds
-        column = column.take(dataset._indices.column(0))
-    return int(pc.max(pc.list_value_length(column)).as_py() or 0)
+    # The rows the dataset holds (a select()/shuffle() view included), as Arrow batches: no Python row is built.
+    rows = dataset.select_columns("input_ids").with_format("arrow").iter(batch_size=65536)
+    return max(int(pc.max(pc.list_value_length(batch["input_ids"])).as_py() or 0) for batch in rows)
 
 
 def is_packed(batch) -> bool:
