@@ -37,8 +37,8 @@ from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hfacc import DataCollatorForPreference, DPOObjective, TokenWeightedArguments, TokenWeightedTrainer  # noqa: E402
-from hfacc.memory import peak_memory  # noqa: E402
-from hfacc.padding_free import remove_padding  # noqa: E402
+from hfacc.data.padding_free import remove_padding  # noqa: E402
+from hfacc.runtime.memory import peak_memory  # noqa: E402
 from tests.preference_reference import big_batch, make_pairs, reference_logps  # noqa: E402
 
 BS, GA = 4, 2
@@ -174,7 +174,7 @@ def memory(cli, pairs):
         objective = trainer.objective
         laid = remove_padding(batch, setup.one_row, keep=objective.row_keys) if setup.padding_free else batch
         counts = torch.as_tensor(objective.count(batch)).tolist()
-        from hfacc.loss import WindowCounts
+        from hfacc.ops.loss import WindowCounts
 
         window = WindowCounts(counts[0], counts[1], 1, tuple(counts))
 

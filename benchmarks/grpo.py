@@ -37,8 +37,8 @@ from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hfacc import GRPOArguments, GRPOTrainer, build_tiny_llama  # noqa: E402
-from hfacc.embedded import build_default_model, build_default_tokenizer, generate_instruction_examples  # noqa: E402
-from hfacc.memory import peak_memory  # noqa: E402
+from hfacc.data.embedded import build_default_model, build_default_tokenizer, generate_instruction_examples  # noqa: E402
+from hfacc.runtime.memory import peak_memory  # noqa: E402
 
 BS, GA, G, L = 32, 2, 8, 32
 
@@ -234,7 +234,7 @@ def trl_gradient(trainer, model, rows, bs, ga, loss_type, generation_tokens):
 
 def hfacc_gradient(model, rows, bs, ga):
     from hfacc import DataCollatorForCausalLM, PolicyGradientObjective
-    from hfacc.window import compute_micro_batch_loss, count_window
+    from hfacc.training.window import compute_micro_batch_loss, count_window
 
     objective = PolicyGradientObjective("token")
     collate = DataCollatorForCausalLM(0)

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RSSSampler  # noqa: E402
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer
-from hfacc.data import build_sft_dataset
-from hfacc.embedded import build_default_model, build_default_tokenizer, generate_instruction_examples
+from hfacc.data.embedded import build_default_model, build_default_tokenizer, generate_instruction_examples
+from hfacc.data.sft import build_sft_dataset
 
 
 def soak(steps: int = 3000, every: int = 100, warmup: int = 300) -> dict:

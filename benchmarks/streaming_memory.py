@@ -4,7 +4,7 @@
 
 The rows (prompt/completion: "What is a + b?" -> "c") are made on the fly by a generator; nothing is written to
 disk and nothing is tokenized ahead. TokenWeightedTrainer trains a tiny Llama on the stream (--streaming's path:
-hfacc.streaming), with micro-batches large enough that ``--steps`` optimizer steps read every row. The process's
+hfacc.data.streaming), with micro-batches large enough that ``--steps`` optimizer steps read every row. The process's
 resident memory (RSS) is sampled ten times; the growth from the first sample (after 10 % of the rows) to the last
 is what must stay near zero. For scale: the same rows as a map-style dataset would first be tokenized in full and
 kept in the Arrow cache.
@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RSSSampler  # noqa: E402
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer
-from hfacc.data import build_sft_dataset
-from hfacc.embedded import build_default_model, build_default_tokenizer
+from hfacc.data.embedded import build_default_model, build_default_tokenizer
+from hfacc.data.sft import build_sft_dataset
 
 
 def arithmetic_rows(n: int, seed: int = 0):

@@ -11,7 +11,7 @@ the other load on the machine hits both alike.
   Batches are padded to a fixed 256 tokens here: with dynamic padding (micro-batches of different lengths) or
   token-budget micro-batches (different sizes) accelerate's concatenation raises ("You can't use batches of
   different size with `dispatch_batches=True`", accelerate 1.15 data_loader.py), and the other ranks wait.
-- split: hfacc (:class:`hfacc.streaming.StreamBatches`): every rank takes every 2nd row and tokenizes its own.
+- split: hfacc (:class:`hfacc.data.streaming.StreamBatches`): every rank takes every 2nd row and tokenizes its own.
 """
 
 import argparse
@@ -25,9 +25,9 @@ from datasets import IterableDataset
 from torch.utils.data import DataLoader
 
 from hfacc import DataCollatorForCausalLM
-from hfacc.data import build_sft_dataset
-from hfacc.embedded import build_default_tokenizer, generate_instruction_examples
-from hfacc.streaming import StreamBatches
+from hfacc.data.embedded import build_default_tokenizer, generate_instruction_examples
+from hfacc.data.sft import build_sft_dataset
+from hfacc.data.streaming import StreamBatches
 
 
 def chat_stream(tokenizer, n=100_000):

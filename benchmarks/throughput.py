@@ -46,11 +46,12 @@ from datasets import Dataset  # noqa: E402
 from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from hfacc import TokenWeightedArguments, TokenWeightedTrainer  # noqa: E402
-from hfacc.fused_loss import FusedOutputHead  # noqa: E402
-from hfacc.loss import shift_labels  # noqa: E402
-from hfacc.memory import peak_memory  # noqa: E402
+from hfacc.data.padding_free import remove_padding  # noqa: E402
 from hfacc.objectives import CausalLMObjective  # noqa: E402
-from hfacc.padding_free import remove_padding, uses_one_row  # noqa: E402
+from hfacc.ops.fused_loss import FusedOutputHead  # noqa: E402
+from hfacc.ops.loss import shift_labels  # noqa: E402
+from hfacc.runtime.memory import peak_memory  # noqa: E402
+from hfacc.setup.layout_check import uses_one_row  # noqa: E402
 
 BS, GA, MIN_LEN, MAX_LEN = 8, 2, 32, 512
 CONTENDERS = ("stock", "trl", "trl_pf", "hfacc_padded", "hfacc", "hfacc_budget")

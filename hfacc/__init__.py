@@ -1,26 +1,35 @@
-"""hfacc: k accumulated micro-batches give exactly the update of one big batch."""
+"""hfacc: k accumulated micro-batches give exactly the update of one big batch.
 
-from .accumulation import MicroBatch, accumulation_window, iter_windows
-from .arguments import TokenWeightedArguments
-from .audit import AccumulationAuditCallback
-from .batching import TokenBudgetBatchSampler, pack_dataset, pack_examples
-from .collator import DataCollatorForCausalLM
-from .data import DataArguments, build_sft_dataset, load_sft_source
-from .distributed import get_gradient_scale
-from .grpo_trainer import GRPOArguments, GRPOTrainer
-from .loss import (
-    IGNORE_INDEX,
-    LossSums,
-    WindowCounts,
-    binary_cross_entropy_sums,
-    causal_lm_sums,
-    count_targets,
-    cross_entropy_sums,
-    normalize_window_loss,
-    shift_labels,
-    squared_error_sums,
-)
-from .modeling import ModelArguments, apply_lora, build_tiny_llama, get_tokenizer, load_causal_lm
+The package's folders are the stages of a run, lowest first. A folder imports from the folders above it in this
+list and from itself, never from one below it (tests/test_layers.py reads every import, lazy ones included):
+
+    ops          loss math as pure functions, the fused loss and chunked log-probs, a model's inputs and outputs
+    runtime      settings from YAML and flags, the ranks (what data parallelism changes), peak memory
+    data         rows to micro-batches: sources, formats, chat masking, streaming, packing, collators, the
+                 padding-free layout of each micro-batch, images, preference pairs, the embedded datasets
+    models       loading models and tokenizers; the frozen reference and its precomputed log-probs
+    generation   sampling from a policy: rollouts, reward functions, generation-based evaluation
+    objectives   one module per loss family: its unit, its sums, what it sets up once
+    setup        the once-per-model decisions: objective, layout checks (padding-free, packing), loss path
+    training     the trainer and the life of a step, checkpoints, hand-written loops, the GRPO trainer
+    verify       ``hfacc verify``: an accumulated window against one big batch, and what breaks it
+    jobs         the jobs of the recipes and of ``hfacc sft`` / ``dpo`` / ``grpo``, their console and reports
+    cli.py       the ``hfacc`` command
+
+So a micro-batch's path through ``TokenWeightedTrainer.compute_loss`` only goes down: training -> data (its
+layout) -> objectives -> ops. Every public name is importable from ``hfacc`` itself (``__all__``): the folders
+are for readers of the code, not a second API.
+"""
+
+from .data.batching import TokenBudgetBatchSampler, pack_dataset, pack_examples
+from .data.collator import DataCollatorForCausalLM
+from .data.embedded import build_tiny_llama
+from .data.preference import DataCollatorForPreference, build_preference_dataset
+from .data.sft import DataArguments, build_sft_dataset
+from .data.sources import load_sft_source
+from .data.vision import DataCollatorForVisionLM, get_processor
+from .models.loading import ModelArguments, apply_lora, get_tokenizer, load_causal_lm
+from .models.reference import precompute_reference_logps
 from .objectives import (
     CausalLMObjective,
     DPOObjective,
@@ -35,11 +44,26 @@ from .objectives import (
     TokenObjective,
     get_objective,
 )
-from .preference_data import DataCollatorForPreference, build_preference_dataset, precompute_reference_logps
-from .step_gate import NonFiniteLossError
-from .trainer import TokenWeightedTrainer
-from .verify import verify_accumulation
-from .vision import DataCollatorForVisionLM, get_processor
+from .ops.loss import (
+    IGNORE_INDEX,
+    LossSums,
+    WindowCounts,
+    binary_cross_entropy_sums,
+    causal_lm_sums,
+    count_targets,
+    cross_entropy_sums,
+    normalize_window_loss,
+    shift_labels,
+    squared_error_sums,
+)
+from .runtime.distributed import get_gradient_scale
+from .training.accumulation import MicroBatch, accumulation_window, iter_windows
+from .training.arguments import TokenWeightedArguments
+from .training.audit import AccumulationAuditCallback
+from .training.grpo_trainer import GRPOArguments, GRPOTrainer
+from .training.step_gate import NonFiniteLossError
+from .training.trainer import TokenWeightedTrainer
+from .verify.equivalence import verify_accumulation
 
 __version__ = "0.1.0"
 

@@ -1,8 +1,8 @@
 """The ``hfacc`` command: ``hfacc sft``, ``hfacc dpo``, ``hfacc grpo``, ``hfacc verify`` and ``hfacc show-mask``.
 
-hfacc sft                                      # the job of `accelerate launch recipes/sft.py` (hfacc/sft.py)
-hfacc dpo                                      # the job of `accelerate launch recipes/dpo.py` (hfacc/dpo.py)
-hfacc grpo                                     # the job of `accelerate launch recipes/grpo.py` (hfacc/grpo.py)
+hfacc sft                                      # the job of `accelerate launch recipes/sft.py` (hfacc/jobs/sft.py)
+hfacc dpo                                      # the job of `accelerate launch recipes/dpo.py` (hfacc/jobs/dpo.py)
+hfacc grpo                                     # the job of `accelerate launch recipes/grpo.py` (hfacc/jobs/grpo.py)
 hfacc verify                                   # embedded tiny Llama and data: PASS/FAIL in seconds
 hfacc verify --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name my.jsonl --gradient_accumulation_steps 8
 hfacc verify --config recipes/configs/smollm2-135m_full.yaml
@@ -47,18 +47,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
     if command == "sft":  # the recipe's own entry point: it sets up its console and its user errors itself
-        from .sft import cli
+        from .jobs.sft import cli
 
         return cli(rest)
     if command == "dpo":
-        from .dpo import cli as dpo_cli
+        from .jobs.dpo import cli as dpo_cli
 
         return dpo_cli(rest)
     if command == "grpo":
-        from .grpo import cli as grpo_cli
+        from .jobs.grpo import cli as grpo_cli
 
         return grpo_cli(rest)
-    from .console import pop_debug_flag, setup_console, user_errors
+    from .jobs.console import pop_debug_flag, setup_console, user_errors
 
     setup_console()  # warnings as plain lines; no bars for the handful of rows these commands tokenize
     debug, rest = pop_debug_flag(rest)
@@ -70,14 +70,14 @@ def run_verify(argv: list[str], guard) -> int:
     import torch
     from accelerate import Accelerator
 
-    from .arguments import TokenWeightedArguments
-    from .collator import DataCollatorForCausalLM
-    from .config import parse_args
-    from .data import DataArguments, build_examples
-    from .modeling import ModelArguments, load_model_and_tokenizer
-    from .sft import SFTArguments
-    from .verify import VerifyArguments, verify_accumulation
-    from .vision import DataCollatorForVisionLM, is_vision_processor
+    from .data.collator import DataCollatorForCausalLM
+    from .data.sft import DataArguments, build_examples
+    from .data.vision import DataCollatorForVisionLM, is_vision_processor
+    from .jobs.sft import SFTArguments
+    from .models.loading import ModelArguments, load_model_and_tokenizer
+    from .runtime.config import parse_args
+    from .training.arguments import TokenWeightedArguments
+    from .verify.equivalence import VerifyArguments, verify_accumulation
 
     verify_args, model_args, data_args = guard.settings = parse_args(
         [VerifyArguments, ModelArguments, DataArguments],
@@ -92,8 +92,8 @@ def run_verify(argv: list[str], guard) -> int:
     )
     # Extra rows: some may be dropped (no target left after truncation).
     if verify_args.objective == "dpo":  # preference pairs: the user's (prompt/chosen/rejected) or embedded ones
-        from .dpo import build_example_pairs
-        from .preference_data import DataCollatorForPreference
+        from .data.preference import DataCollatorForPreference
+        from .jobs.dpo import build_example_pairs
 
         examples = build_example_pairs(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
         collate = DataCollatorForPreference(tokenizer.pad_token_id)
@@ -125,7 +125,7 @@ def run_verify(argv: list[str], guard) -> int:
 
 
 def _verify_policy_gradient(verify_args, model, tokenizer, examples, accelerator) -> int:
-    from .verify import verify_policy_gradient
+    from .verify.equivalence import verify_policy_gradient
 
     # Each example's prompt: its tokens before the first target (the completion is sampled from the model).
     prompts = []
@@ -161,21 +161,13 @@ def _finish_verify(report, verify_args, accelerator) -> int:
 def run_show_mask(argv: list[str], guard) -> int:
     import datasets
 
-    from .config import ConfigError, parse_args
-    from .data import (
-        DataArguments,
-        DataError,
-        build_sft_dataset,
-        describe_row,
-        detect_format,
-        encode_row,
-        example_rows,
-        render_mask,
-    )
-    from .loss import count_example_targets
-    from .modeling import ModelArguments, load_tokenizer
-    from .sources import SOURCE_ROW
-    from .vision import encode_vision_row, is_vision_processor, render_vision_mask
+    from .data.formats import DataError, describe_row, detect_format, encode_row, render_mask
+    from .data.sft import DataArguments, build_sft_dataset, example_rows
+    from .data.sources import SOURCE_ROW
+    from .data.vision import encode_vision_row, is_vision_processor, render_vision_mask
+    from .models.loading import ModelArguments, load_tokenizer
+    from .ops.loss import count_example_targets
+    from .runtime.config import ConfigError, parse_args
 
     show, model_args, data_args = guard.settings = parse_args(
         [ShowMaskArguments, ModelArguments, DataArguments], argv, prog="hfacc show-mask"

@@ -10,12 +10,12 @@ from the embedded tasks (chosen: the right answer; rejected: the model's own wro
 setting can be given on the command line; it overrides the YAML. Writes the model, tokenizer, metrics.json and
 loss_curve.png to --output_dir; a user error ends in one message and exit code 2.
 
-The job itself (DPOArguments and main) lives in hfacc/dpo.py, so `hfacc dpo` runs the same one.
+The job itself (DPOArguments and main) lives in hfacc/jobs/dpo.py, so `hfacc dpo` runs the same one.
 """
 
 import sys
 
-from hfacc.dpo import DEFAULT_CONFIG, DPO_ARGUMENTS, DPOArguments, cli, default_config, main  # noqa: F401 (tests use them)
+from hfacc.jobs.dpo import DEFAULT_CONFIG, DPO_ARGUMENTS, DPOArguments, cli, default_config, main  # noqa: F401 (tests use them)
 
 if __name__ == "__main__":
     sys.exit(cli())

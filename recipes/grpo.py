@@ -9,12 +9,13 @@ the SFT recipe's output (outputs/sft-tiny) when it exists, else a short SFT runs
 prompts and the reward is the answer's correctness. It prints the held-out reward and exact match before -> after
 and writes the model, tokenizer, metrics.json and reward_curve.png to --output_dir.
 
-The job itself (its settings, GRPOJobArguments, and main) lives in hfacc/grpo.py, so `hfacc grpo` runs the same one.
+The job itself (its settings, GRPOJobArguments, and main) lives in hfacc/jobs/grpo.py, so `hfacc grpo` runs the same
+one.
 """
 
 import sys
 
-from hfacc.grpo import DEFAULT_CONFIG, GRPO_ARGUMENTS, GRPOJobArguments, cli, default_config, main  # noqa: F401
+from hfacc.jobs.grpo import DEFAULT_CONFIG, GRPO_ARGUMENTS, GRPOJobArguments, cli, default_config, main  # noqa: F401
 
 if __name__ == "__main__":
     sys.exit(cli())

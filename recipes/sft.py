@@ -10,12 +10,12 @@ Llama and a tokenizer built here, trained on generated instructions. Any setting
 --output_dir. The console shows one progress bar, a line per evaluation and a summary (`--log_level info`: all
 detail); a user error ends in one message and exit code 2 (`--debug` or HFACC_DEBUG=1: with its traceback).
 
-The job itself (its settings, SFTArguments, and main) lives in hfacc/sft.py, so `hfacc sft` runs the same one.
+The job itself (its settings, SFTArguments, and main) lives in hfacc/jobs/sft.py, so `hfacc sft` runs the same one.
 """
 
 import sys
 
-from hfacc.sft import DEFAULT_CONFIG, SFT_ARGUMENTS, SFTArguments, cli, default_config, main  # noqa: F401 (tests use them)
+from hfacc.jobs.sft import DEFAULT_CONFIG, SFT_ARGUMENTS, SFTArguments, cli, default_config, main  # noqa: F401 (tests use them)
 
 if __name__ == "__main__":
     sys.exit(cli())

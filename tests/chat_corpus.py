@@ -15,7 +15,7 @@ from datetime import datetime
 from functools import cache
 from pathlib import Path
 
-from hfacc.embedded import build_bpe_tokenizer
+from hfacc.data.embedded import build_bpe_tokenizer
 
 CORPUS_DIR = Path(__file__).parent / "chat_templates"
 KINDS = ("plain", "tools", "reasoning", "assistant_first", "parts", "tool_reasoning")

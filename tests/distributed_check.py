@@ -29,8 +29,8 @@ from hfacc import (  # noqa: E402
     causal_lm_sums,
     iter_windows,
 )
-from hfacc.batching import TokenBudgetBatchSampler  # noqa: E402
-from hfacc.distributed import all_ranks_agree  # noqa: E402
+from hfacc.data.batching import TokenBudgetBatchSampler  # noqa: E402
+from hfacc.runtime.distributed import all_ranks_agree  # noqa: E402
 from tests.helpers import VOCAB, flat_grad, full_batch_causal_lm, relative_error, run_trainer, train_args  # noqa: E402
 
 

@@ -20,8 +20,8 @@ import torch.distributed as dist  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama  # noqa: E402
-from hfacc.batching import TokenBudgetBatchSampler  # noqa: E402
-from hfacc.checkpoint import MARKER  # noqa: E402
+from hfacc.data.batching import TokenBudgetBatchSampler  # noqa: E402
+from hfacc.training.checkpoint import MARKER  # noqa: E402
 from tests.helpers import VOCAB, full_batch_causal_lm, make_examples, relative_error, run_trainer, train_args  # noqa: E402
 
 COLLATE = DataCollatorForCausalLM(pad_token_id=0)

@@ -38,9 +38,9 @@ from hfacc import (  # noqa: E402
     build_tiny_llama,
     iter_windows,
 )
-from hfacc.distributed import all_ranks_agree  # noqa: E402
 from hfacc.objectives import CausalLMObjective  # noqa: E402
 from hfacc.objectives.causal_lm import check_fused_loss  # noqa: E402
+from hfacc.runtime.distributed import all_ranks_agree  # noqa: E402
 from tests.distributed_check import imbalanced_examples  # noqa: E402
 from tests.helpers import full_batch_causal_lm, make_examples, relative_error, train_args  # noqa: E402
 

@@ -10,7 +10,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from hfacc import GRPOArguments, GRPOTrainer
-from hfacc.embedded import build_default_model, build_default_tokenizer, generate_instruction_examples
+from hfacc.data.embedded import build_default_model, build_default_tokenizer, generate_instruction_examples
 from tests.helpers import flat_grad
 
 

@@ -238,8 +238,8 @@ def recipe_types(module):
     if hasattr(module, "DPO_ARGUMENTS"):  # recipes/dpo.py
         return list(module.DPO_ARGUMENTS)
     from hfacc import TokenWeightedArguments
-    from hfacc.data import DataArguments
-    from hfacc.modeling import ModelArguments
+    from hfacc.data.sft import DataArguments
+    from hfacc.models.loading import ModelArguments
 
     return [module.SFTArguments, ModelArguments, DataArguments, TokenWeightedArguments]
 

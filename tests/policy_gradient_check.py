@@ -125,7 +125,7 @@ def main(out_path: str) -> None:
     results["online"] = online
 
     # hfacc verify --objective grpo on both ranks: a rollout of the policy, each step vs its big batch.
-    from hfacc.verify import verify_policy_gradient
+    from hfacc.verify.equivalence import verify_policy_gradient
     from tests.grpo_setup import build_policy, build_prompts
 
     accelerator = Accelerator(cpu=True)

@@ -139,7 +139,7 @@ def fsdp2_case(accelerator, vocab: int, given: bool = False) -> dict:
     from torch.distributed.tensor import DTensor
 
     from hfacc import accumulation_window, iter_windows
-    from hfacc.model_setup import build_model_setup
+    from hfacc.setup.model_setup import build_model_setup
 
     pairs = imbalanced_pairs(7, vocab=vocab)
     policy = tiny(0, vocab)

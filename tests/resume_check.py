@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from datasets import Dataset  # noqa: E402
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama  # noqa: E402
-from hfacc.embedded import build_default_tokenizer  # noqa: E402
+from hfacc.data.embedded import build_default_tokenizer  # noqa: E402
 from tests.helpers import VOCAB, make_examples, relative_error  # noqa: E402
 from tests.streaming_check import make_rows, make_stream  # noqa: E402
 
@@ -150,7 +150,7 @@ def rank_dies_mid_save(out: Path) -> None:
     try:
         trainer.train()
     except Exception as err:  # rank 0: the collective after the save fails, the peer being gone
-        from hfacc.console import describe_user_error
+        from hfacc.jobs.console import describe_user_error
 
         (out / "death.json").write_text(json.dumps({"error": str(err), "said": describe_user_error(err)}))
         raise

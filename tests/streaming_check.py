@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from datasets import Dataset, IterableDataset  # noqa: E402
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama  # noqa: E402
-from hfacc.data import build_sft_dataset  # noqa: E402
-from hfacc.embedded import build_default_tokenizer, generate_instruction_examples  # noqa: E402
+from hfacc.data.embedded import build_default_tokenizer, generate_instruction_examples  # noqa: E402
+from hfacc.data.sft import build_sft_dataset  # noqa: E402
 from tests.helpers import CaptureGradients, full_batch_causal_lm, relative_error  # noqa: E402
 
 MAX_LENGTH = 64

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
-from hfacc.batching import TokenBudgetBatchSampler, check_packing, pack_examples
-from hfacc.loss import shift_labels
+from hfacc.data.batching import TokenBudgetBatchSampler, pack_examples
 from hfacc.objectives import CausalLMObjective
+from hfacc.ops.loss import shift_labels
+from hfacc.setup.layout_check import check_packing
 from tests.helpers import (
     VOCAB,
     build_family,

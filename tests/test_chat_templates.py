@@ -10,8 +10,8 @@ from functools import cache
 
 import pytest
 
-from hfacc.chat import METHODS, get_renderer
-from hfacc.data import DataError, encode_row, normalize_messages, normalize_tools
+from hfacc.data.chat import METHODS, get_renderer
+from hfacc.data.formats import DataError, encode_row, normalize_messages, normalize_tools
 from tests.chat_corpus import (
     CORPUS_DIR,
     KINDS,
@@ -189,7 +189,7 @@ def test_negative_control_the_masking_before_issue_21_fails_the_published_templa
     """The published templates' cases can fail: with the four pieces issue 21 changed put back as they were (the
     prompt match, the turn's end, the content probe, and no prefix renders for a turn written after the loop, whose
     whole-conversation fallback fails here), most cases are wrong in the ways the issue reports."""
-    import hfacc.chat as chat
+    import hfacc.data.chat as chat
 
     nemotron = tokenizer_for("nemotron_nano_v2")  # the old path: prefix renders of every turn, refused
     messages = normalize_messages(conversation("nemotron_nano_v2", "plain")[0], 0, "messages", need_assistant=True)
@@ -241,7 +241,7 @@ def test_show_mask_and_the_build_warning_say_what_is_trained(tmp_path, capsys, c
     from datasets import Dataset
 
     from hfacc.cli import main as cli_main
-    from hfacc.data import build_sft_dataset
+    from hfacc.data.sft import build_sft_dataset
 
     messages, tools = conversation("gemma4", "tools")
     data = tmp_path / "tools.jsonl"

@@ -7,7 +7,7 @@ import yaml
 from accelerate.commands.config.config_args import ClusterConfig
 from accelerate.commands.launch import launch_command_parser
 
-from hfacc.config import ConfigError, parse_args
+from hfacc.runtime.config import ConfigError, parse_args
 from tests.helpers import load_recipe, recipe_types
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,8 +78,8 @@ def test_accelerate_config_loads_and_its_keys_exist(path):
 
 def test_recipe_and_hfacc_sft_share_one_definition_of_the_settings():
     """`hfacc sft`, recipes/sft.py and `hfacc verify --config` read the same dataclasses: nothing is copied."""
-    import hfacc.sft
+    import hfacc.jobs.sft
 
     recipe = load_recipe()
-    assert recipe.SFTArguments is hfacc.sft.SFTArguments and recipe.main is hfacc.sft.main
-    assert list(hfacc.sft.SFT_ARGUMENTS) == recipe_types(recipe)
+    assert recipe.SFTArguments is hfacc.jobs.sft.SFTArguments and recipe.main is hfacc.jobs.sft.main
+    assert list(hfacc.jobs.sft.SFT_ARGUMENTS) == recipe_types(recipe)

@@ -13,8 +13,9 @@ from huggingface_hub import errors as hub_errors
 from transformers import PrinterCallback, ProgressCallback
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedTrainer
-from hfacc.config import ConfigError
-from hfacc.console import (
+from hfacc.data.embedded import build_tiny_llama
+from hfacc.data.formats import DataError
+from hfacc.jobs.console import (
     EXIT_USER_ERROR,
     ConsoleCallback,
     describe_user_error,
@@ -23,8 +24,7 @@ from hfacc.console import (
     run_recipe,
     use_console,
 )
-from hfacc.data import DataError
-from hfacc.modeling import build_tiny_llama
+from hfacc.runtime.config import ConfigError
 from tests.helpers import ROOT, load_recipe, make_examples, recipe_types, train_args
 
 COLLATE = DataCollatorForCausalLM(pad_token_id=0)

@@ -8,8 +8,9 @@ import torch
 from datasets import Dataset
 
 from hfacc import DataCollatorForCausalLM
-from hfacc.data import DataError, build_sft_dataset, render_mask, tokenize_messages, tokenize_prompt_completion
-from hfacc.embedded import build_bpe_tokenizer, build_default_tokenizer
+from hfacc.data.embedded import build_bpe_tokenizer, build_default_tokenizer
+from hfacc.data.formats import DataError, render_mask, tokenize_messages, tokenize_prompt_completion
+from hfacc.data.sft import build_sft_dataset
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
@@ -177,7 +178,7 @@ def test_collator_pads_right_to_a_multiple():
 def test_embedded_dataset_masks_exactly_as_before():
     """The default recipe's numbers cannot move: on the embedded ChatML data, the template's segments train the
     same tokens as the prefix renders hfacc used before (tests/chat_corpus.legacy_spans)."""
-    from hfacc.embedded import generate_instruction_examples
+    from hfacc.data.embedded import generate_instruction_examples
     from tests.chat_corpus import legacy_labels
 
     tokenizer = build_default_tokenizer()
@@ -297,7 +298,7 @@ def test_untraceable_templates_use_checked_prefix_renders_or_are_refused(caplog)
 
 
 def test_json_rows_with_tool_calls_reasoning_and_parts_validate_and_errors_name_row_field_fix(tmp_path):
-    from hfacc.data import load_sft_source, validate_json_file
+    from hfacc.data.sources import load_sft_source, validate_json_file
     from tests.chat_corpus import PARTS, REASONING, TOOL_CONVERSATION, TOOLS
 
     path = tmp_path / "chat.jsonl"

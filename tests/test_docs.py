@@ -153,7 +153,7 @@ def dry_check(command: str) -> None:
             assert (ROOT / launcher[launcher.index("--config_file") + 1]).is_file()
         assert (ROOT / argv[script]).is_file()
         module = load_recipe(Path(argv[script]).stem)
-        from hfacc.config import parse_args
+        from hfacc.runtime.config import parse_args
 
         if "--config" not in recipe_args and not any(a == "--model_name_or_path" for a in recipe_args):
             recipe_args = ["--config", str(module.DEFAULT_CONFIG), *recipe_args]
@@ -181,7 +181,7 @@ def fixtures() -> dict:
     from datasets import Dataset
 
     from hfacc import DataCollatorForCausalLM, build_sft_dataset, build_tiny_llama
-    from hfacc.embedded import build_default_tokenizer
+    from hfacc.data.embedded import build_default_tokenizer
 
     tokenizer = build_default_tokenizer()
     raw_dataset = Dataset.from_list(

@@ -353,7 +353,7 @@ def test_a_plain_language_models_labels_are_taken_as_causal_and_said_at_warning(
 
 # ---- 8. the audit's tolerance follows the precision ---------------------------------------------------------------
 def audited_run(tmp_path, caplog, **overrides):
-    from hfacc.verify import AccumulationAuditCallback
+    from hfacc.training.audit import AccumulationAuditCallback
 
     examples = make_examples(16, seed=25)
     model = overrides.pop("model", None) or llama()
@@ -375,7 +375,7 @@ def audited_run(tmp_path, caplog, **overrides):
 
 
 def test_audit_tolerance_by_precision():
-    from hfacc.verify import get_audit_tolerance
+    from hfacc.training.audit import get_audit_tolerance
 
     assert get_audit_tolerance(torch.float32) == 1e-4
     assert get_audit_tolerance(torch.bfloat16) == pytest.approx(4 * 2**-7)  # 3.1e-2

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
-from hfacc.fused_loss import fused_linear_cross_entropy_sums, linear_cross_entropy_chunk
 from hfacc.objectives import CausalLMObjective
 from hfacc.objectives.causal_lm import check_fused_loss
+from hfacc.ops.fused_loss import fused_linear_cross_entropy_sums, linear_cross_entropy_chunk
 from tests.helpers import (
     VOCAB,
     flat_grad,

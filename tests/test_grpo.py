@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hfacc import DataCollatorForCausalLM, GRPOArguments, PolicyGradientObjective
-from hfacc.loss import WindowCounts
-from hfacc.rollout import RewardFunctionError, group_advantages, score_completions
+from hfacc.generation.rollout import RewardFunctionError, group_advantages, score_completions
+from hfacc.ops.loss import WindowCounts
 from tests.grpo_setup import build_prompts, rollout_rows, run_grpo
 from tests.helpers import ROOT, flat_grad, free_port, relative_error
 from tests.rollouts import reference_gradient, reference_sgd_steps
@@ -254,18 +254,18 @@ def test_the_recipe_runs_offline_and_reports_before_and_after(tmp_path, capsys):
 
 
 def test_the_recipe_and_hfacc_grpo_share_one_definition_of_the_settings():
-    import hfacc.grpo
+    import hfacc.jobs.grpo
     from tests.helpers import load_recipe, recipe_types
 
     recipe = load_recipe("grpo")
-    assert recipe.main is hfacc.grpo.main and recipe_types(recipe) == list(hfacc.grpo.GRPO_ARGUMENTS)
+    assert recipe.main is hfacc.jobs.grpo.main and recipe_types(recipe) == list(hfacc.jobs.grpo.GRPO_ARGUMENTS)
 
 
 @pytest.mark.parametrize("flags", [["--beta", "-1"], ["--reward_weights", "1", "2"]])
 def test_hfacc_grpo_refuses_bad_settings_before_any_training(flags, tmp_path, capsys):
     """One ``error:`` line, exit 2, before the job's short SFT (a minute): not a traceback once it is done."""
-    from hfacc.console import run_recipe
-    from hfacc.grpo import GRPO_ARGUMENTS, main
+    from hfacc.jobs.console import run_recipe
+    from hfacc.jobs.grpo import GRPO_ARGUMENTS, main
 
     argv = ["--output_dir", str(tmp_path), "--sft_output_dir", str(tmp_path / "none"), *flags]
     with pytest.raises(SystemExit) as exit_info:

@@ -21,7 +21,7 @@ import subprocess
 import pytest
 import torch
 
-from hfacc.config import parse_args
+from hfacc.runtime.config import parse_args
 from tests.helpers import ROOT, load_recipe, recipe_types, torchrun
 
 pytestmark = pytest.mark.slow
@@ -132,7 +132,7 @@ def runs(tmp_path_factory):
 
 
 def test_the_data_makes_every_configuration_see_the_same_windows(runs, tmp_path):
-    from hfacc.batching import TokenBudgetBatchSampler, pack_examples
+    from hfacc.data.batching import TokenBudgetBatchSampler, pack_examples
 
     lengths = runs["lengths"]
     groups = [set(range(8 * g, 8 * g + 8)) for g in range(GROUPS)]

@@ -1,86 +1,172 @@
-"""The library's modules form layers without circles: a lower module never imports a higher one, not even lazily.
+"""hfacc's folders are layers: a folder imports only from the folders below it and from itself, never from one above
+it (not even lazily), and the modules of a folder form no import circle.
 
-A subpackage (``hfacc/objectives/``) is one layer to the modules outside it, and its own modules form layers too.
+The order is the one ``hfacc/__init__.py``'s docstring states (lowest first); this file reads it from there and every
+``import`` of every module, so the docstring, the tree and the imports cannot drift apart.
 """
 
 import ast
+import re
 from graphlib import CycleError, TopologicalSorter
 from itertools import takewhile
+
+import pytest
 
 from tests.helpers import ROOT
 
 PACKAGE = ROOT / "hfacc"
-SUBPACKAGES = [p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file() and p.name != "metrics"]
+NOT_CODE = {"metrics"}  # the exact-match metric module evaluate loads from its path: no hfacc import
 
 
-def imported_names(path, level: int) -> set[str]:
-    """The names ``path`` imports at ``level`` dots (``from .x import`` -> x at 1), or absolutely as ``hfacc.x``."""
+def get_layer_order() -> list[str]:
+    """The folders (and top-level modules, ``cli.py``) as ``hfacc/__init__.py``'s docstring lists them, lowest first."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text()))
+    return re.findall(r"^    (\w+)(?:\.py)?  ", doc, re.M)
+
+
+def get_folders() -> list[str]:
+    return sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file() and p.name not in NOT_CODE)
+
+
+def module_name(path) -> str:
+    """``hfacc/data/sft.py`` -> ``data.sft``; ``hfacc/cli.py`` -> ``cli``; a folder's ``__init__`` -> its name."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path) -> set[str]:
+    """The hfacc modules ``path`` imports (at the top or inside a function), as ``folder.module`` names: a name
+    imported from a folder's ``__init__`` counts as that folder."""
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level == level and node.module:
-                found.add(node.module.split(".")[0])
-            elif node.level == level:
-                found.update(alias.name for alias in node.names)
-            elif node.level == 0 and node.module and node.module.startswith("hfacc."):
-                found.add(node.module.split(".")[1])
+            if node.level:
+                base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
+                target = [*base, *(node.module.split(".") if node.module else [])]
+            elif node.module and node.module.startswith("hfacc."):
+                target = node.module.split(".")[1:]
+            else:
+                continue
+            if node.module is None:  # from . import x: the modules themselves
+                found.update(".".join([*target, alias.name]) for alias in node.names)
+            elif target:
+                found.add(".".join(target))
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".", 1)[1] for a in node.names if a.name.startswith("hfacc."))
+    return found - {module_name(path)}
+
+
+def get_module_graph() -> dict[str, set[str]]:
+    """Every hfacc module (``hfacc/__init__.py`` aside) with the hfacc modules it imports."""
+    return {
+        module_name(p): imported_modules(p)
+        for p in PACKAGE.rglob("*.py")
+        if p != PACKAGE / "__init__.py" and not NOT_CODE & set(p.relative_to(PACKAGE).parts)
+    }
+
+
+def layer_of(module: str) -> str:
+    return module.split(".")[0]
+
+
+def get_layer_violations(graph: dict[str, set[str]], order: list[str]) -> list[str]:
+    """``module -> imported`` for every import of a layer above the importer's (or of one the order does not name)."""
+    rank = {layer: i for i, layer in enumerate(order)}
+    found = []
+    for module, imports in sorted(graph.items()):
+        for target in sorted(imports):
+            here, there = rank.get(layer_of(module)), rank.get(layer_of(target))
+            if here is None or there is None or there > here:
+                found.append(f"{module} -> {target}")
     return found
 
 
-def is_node(name: str) -> bool:
-    return (PACKAGE / f"{name}.py").is_file() or name in SUBPACKAGES
+def folder_graph(graph: dict[str, set[str]], folder: str) -> dict[str, set[str]]:
+    """The modules of ``folder`` (``__init__`` aside) with the modules of the same folder each imports."""
+    inside = {m for m in graph if layer_of(m) == folder and m != folder}
+    return {m.split(".", 1)[1]: {t.split(".", 1)[1] for t in graph[m] & inside} for m in inside}
 
 
-def import_graph() -> dict[str, set[str]]:
-    """hfacc's top-level modules and subpackages, each with the ones it imports (at the top or inside a function)."""
-    graph = {p.stem: {n for n in imported_names(p, 1) if is_node(n)} - {p.stem} for p in PACKAGE.glob("*.py")}
-    graph.pop("__init__")
-    for package in SUBPACKAGES:
-        graph[package] = {n for p in (PACKAGE / package).glob("*.py") for n in imported_names(p, 2) if is_node(n)}
-    return graph
+def test_the_docstring_names_every_folder_once_in_a_layer_order():
+    order = get_layer_order()
+    assert len(order) == len(set(order)), order
+    assert sorted(set(order) - {"cli"}) == get_folders(), "hfacc/__init__.py's layers and hfacc's folders differ"
+    assert order[-1] == "cli" and (PACKAGE / "cli.py").is_file()
+    assert not [p.name for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "cli")], "modules outside folders"
 
 
-def subpackage_graph(package: str) -> dict[str, set[str]]:
-    folder = PACKAGE / package
-    modules = {p.stem for p in folder.glob("*.py")} - {"__init__"}
-    return {p.stem: (imported_names(p, 1) & modules) - {p.stem} for p in folder.glob("*.py") if p.stem in modules}
+def test_no_folder_imports_from_a_folder_above_it():
+    violations = get_layer_violations(get_module_graph(), get_layer_order())
+    assert not violations, "imports from a layer above (hfacc/__init__.py lists the order):\n" + "\n".join(violations)
 
 
-def test_no_import_circles():
+def test_the_layer_check_fails_on_an_import_from_above():
+    """Negative control: the check sees a lower folder importing an upper one, lazily or not, and a folder the
+    order does not name."""
+    order = get_layer_order()
+    graph = get_module_graph()
+    assert get_layer_violations(graph, order) == []
+    graph["ops.loss"] = graph["ops.loss"] | {"training.trainer"}
+    graph["data.padding_free"] = graph["data.padding_free"] | {"setup.layout_check"}
+    graph["extra.module"] = {"ops.loss"}
+    assert get_layer_violations(graph, order) == [
+        "data.padding_free -> setup.layout_check",
+        "extra.module -> ops.loss",
+        "ops.loss -> training.trainer",
+    ]
+    # And the parser of imports itself: a lazy import inside a function, relative two levels up, is read.
+    source = PACKAGE / "data" / "padding_free.py"
+    assert "ops.model_io" in imported_modules(source)
+
+
+@pytest.mark.parametrize("folder", get_folders())
+def test_the_modules_of_a_folder_form_no_circle(folder):
+    local = folder_graph(get_module_graph(), folder)
     try:
-        order = list(TopologicalSorter(import_graph()).static_order())
-        for package in SUBPACKAGES:
-            TopologicalSorter(subpackage_graph(package)).static_order()
+        list(TopologicalSorter(local).static_order())
     except CycleError as err:
-        raise AssertionError(f"import circle: {' -> '.join(err.args[1])}") from None
-    assert order.index("loss") < order.index("objectives") < order.index("trainer")
+        raise AssertionError(f"import circle in hfacc/{folder}/: {' -> '.join(err.args[1])}") from None
 
 
-def test_the_math_and_the_kernel_import_no_training_machinery():
-    graph = import_graph()
-    assert graph["loss"] == set()
-    assert graph["fused_loss"] <= {"loss", "model_io"}
-    for low in ("loss", "model_io", "fused_loss", "objectives", "distributed", "window", "accumulation", "verify"):
-        assert "trainer" not in graph[low], f"{low} imports trainer.py"
+def test_the_math_and_the_kernels_import_no_training_machinery():
+    graph = get_module_graph()
+    assert graph["ops.loss"] == set()
+    assert graph["ops.fused_loss"] <= {"ops.loss", "ops.model_io"}
+    for module, imports in graph.items():
+        if layer_of(module) in ("ops", "runtime", "data", "models", "objectives", "setup"):
+            assert not {t for t in imports if layer_of(t) in ("training", "verify", "jobs", "cli")}, module
 
 
-def test_readme_map_lists_every_module_in_layer_order():
-    """README's repository map names each module once, each after every module it imports."""
-    import re
+def test_a_micro_batch_enters_the_padding_free_check_only_in_setup():
+    """The per-micro-batch layout (data) and the once-per-model check (setup) are apart: the trainer's compute_loss
+    reaches the layout, and only the model setup reaches the check."""
+    graph = get_module_graph()
+    assert "setup.layout_check" not in graph["data.padding_free"]
+    assert "data.padding_free" in graph["training.trainer"]
+    users = {m for m, imports in graph.items() if "setup.layout_check" in imports}
+    assert users <= {"setup.model_setup", "training.trainer"}, users
+    trainer = (PACKAGE / "training" / "trainer.py").read_text()
+    compute_loss = trainer[trainer.index("    def compute_loss(") : trainer.index("    def log(")]
+    assert "remove_padding(" in compute_loss
+    assert not re.search(r"check_\w+\(|choose_padding_free|require_packing_support", compute_loss)
 
+
+def test_readme_map_lists_every_folder_and_module_in_layer_order():
+    """README's repository map names each folder in the order of the layers, and under it each module once, each
+    after every module of its folder it imports."""
     text = (ROOT / "README.md").read_text()
     start = text.index("```text\nhfacc/")
     tree = text[start : text.index("\nrecipes/", start)]
-    order = re.findall(r"^  (\w+)(?:\.py|/)", tree, re.M)
-    graph = import_graph()
-    assert sorted(order) == sorted(graph)
-    late = [(module, dep) for i, module in enumerate(order) for dep in graph[module] if dep not in order[:i]]
-    assert not late, f"listed before what they import: {late}"
-    for package in SUBPACKAGES:  # its modules, indented under it, in their own layer order
-        lines = tree[tree.index(f"\n  {package}/") + 1 :].splitlines()[1:]
+    listed = re.findall(r"^  (\w+)(?:\.py|/)", tree, re.M)
+    assert listed == get_layer_order()
+    graph = get_module_graph()
+    for folder in get_folders():
+        lines = tree[tree.index(f"\n  {folder}/") + 1 :].splitlines()[1:]
         block = takewhile(lambda line: line.startswith("    "), lines)
         inner = [m.group(1) for line in block if (m := re.match(r"^    (\w+)\.py", line))]
-        local = subpackage_graph(package)
-        assert sorted(inner) == sorted(local), f"{package}/: the map lists {inner}"
+        local = folder_graph(graph, folder)
+        assert sorted(inner) == sorted(local), f"{folder}/: the map lists {inner}"
         late = [(m, d) for i, m in enumerate(inner) for d in local[m] if d not in inner[:i]]
-        assert not late, f"{package}/: listed before what they import: {late}"
+        assert not late, f"{folder}/: listed before what they import: {late}"

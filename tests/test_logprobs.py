@@ -1,4 +1,4 @@
-"""Chunked per-token log-probs (hfacc/logprobs.py): the full logits' values and gradients (fp32, <= 1e-6).
+"""Chunked per-token log-probs (hfacc/ops/logprobs.py): the full logits' values and gradients (fp32, <= 1e-6).
 
 The losses built on them (preference pairs, policy gradients) are non-linear in the log-probs, so the checks here
 backpropagate non-linear functions of them, not their sum.
@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from hfacc import build_tiny_llama
-from hfacc.logprobs import (
+from hfacc.ops.logprobs import (
     check_fused_logprobs,
     get_token_logprobs,
     linear_logprobs,
     linear_logprobs_chunk,
     linear_logprobs_chunk_grad,
 )
-from hfacc.loss import shift_labels
+from hfacc.ops.loss import shift_labels
 from tests.helpers import VOCAB, make_examples, pad, relative_error
 
 

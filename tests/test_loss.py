@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfacc.loss import (
+from hfacc.ops.loss import (
     LossSums,
     WindowCounts,
     binary_cross_entropy_sums,

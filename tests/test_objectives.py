@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from hfacc import DataCollatorForCausalLM, Objective, TokenWeightedTrainer, build_tiny_llama
-from hfacc.loss import shift_labels
-from hfacc.model_io import get_logits, model_inputs
+from hfacc.ops.loss import shift_labels
+from hfacc.ops.model_io import get_logits, model_inputs
 from tests.helpers import VOCAB, flat_grad, make_examples, pad, relative_error, run_trainer, train_args
 
 

@@ -7,16 +7,11 @@ import torch
 import transformers as T
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
-from hfacc.loss import shift_labels
-from hfacc.model_io import get_aux_loss
+from hfacc.data.padding_free import remove_padding
 from hfacc.objectives import CausalLMObjective, SequenceClassificationObjective
-from hfacc.padding_free import (
-    check_padding_free,
-    check_row_offsets,
-    padding_free_problem,
-    remove_padding,
-    uses_one_row,
-)
+from hfacc.ops.loss import shift_labels
+from hfacc.ops.model_io import get_aux_loss
+from hfacc.setup.layout_check import check_padding_free, check_row_offsets, padding_free_problem, uses_one_row
 from tests.helpers import (
     VOCAB,
     build_family,
@@ -168,7 +163,7 @@ def test_one_row_for_variable_length_kernels_rows_for_dense_masks():
 @pytest.mark.parametrize("layout", ["rows", "one_row"])
 def test_trainer_is_padding_free_by_default_and_exact(tmp_path, caplog, monkeypatch, layout):
     if layout == "one_row":  # what flash/flex attention get (neither runs backward on this CPU); sdpa is exact too
-        monkeypatch.setattr("hfacc.padding_free.uses_one_row", lambda model: True)
+        monkeypatch.setattr("hfacc.setup.layout_check.uses_one_row", lambda model: True)
     examples = make_examples(16, seed=4)
     model = build_tiny_llama(vocab_size=VOCAB)
     reference, token_loss, accuracy = full_batch_causal_lm(model, examples)
@@ -413,7 +408,7 @@ def test_layers_that_run_across_packed_sequences_train_padded(tmp_path, caplog, 
 def test_gemma3n_trains_packed_rows_with_a_filler_of_real_tokens(tmp_path, caplog, monkeypatch):
     """Gemma3n's pad token has a zero embedding; a filler made of it gave NaN gradients in 49 tensors (the step gate
     then skipped every step). The filler repeats a real token, and the check runs a backward, which sees a NaN."""
-    import hfacc.padding_free as padding_free
+    import hfacc.setup.layout_check as layout_check
 
     model = build_family("gemma3n")
     examples = make_examples(8, seed=14, lengths=(5, 30))
@@ -422,13 +417,13 @@ def test_gemma3n_trains_packed_rows_with_a_filler_of_real_tokens(tmp_path, caplo
     assert trainer.padding_free and not trainer.model_setup.one_row and not warnings
     assert torch.isfinite(capture.grads[0]).all() and relative_error(capture.grads[0], reference) <= 1e-6
     # The filler as it was (the pad token 0): the check's backward sees the NaN, which the padded run does not have.
-    lay_out = padding_free.remove_padding
+    lay_out = layout_check.remove_padding
 
     def zero_filler(batch, one_row=True, max_row_length=0):
         row = lay_out(batch, one_row, max_row_length)
         return {**row, "input_ids": row["input_ids"].masked_fill(row["sequence_ids"] < 0, 0)}
 
-    monkeypatch.setattr(padding_free, "remove_padding", zero_filler)
+    monkeypatch.setattr(layout_check, "remove_padding", zero_filler)
     assert check_padding_free(model, pad(examples), one_row=False) == "its gradient is not finite"
 
 
@@ -449,7 +444,7 @@ def test_llama4_falls_back_to_rows_it_verified(tmp_path, caplog, monkeypatch):
     """The trainer with one row preferred (flash/flex attention), on a Llama 4 whose floor_scale (and attention
     chunks) are 64 so that rows pass it cheaply: one row is refused past the verified offset and packed rows train
     the padded gradient; one row would not."""
-    monkeypatch.setattr("hfacc.padding_free.uses_one_row", lambda model: True)
+    monkeypatch.setattr("hfacc.setup.layout_check.uses_one_row", lambda model: True)
     model = build_family("llama4", floor_scale=64, attention_chunk_size=64, initializer_range=0.5)
     examples = make_examples(8, seed=16, lengths=(20, 30))
     reference = padded_reference(model, examples, 4)
@@ -466,12 +461,12 @@ def test_llama4_falls_back_to_rows_it_verified(tmp_path, caplog, monkeypatch):
 def test_one_row_verified_to_an_offset_keeps_longer_micro_batches_padded(tmp_path, caplog, monkeypatch):
     """Flash attention (one row only: its packed rows would leak) on the Llama 4 above: one row is exact up to the
     offset the check verified, so a micro-batch with more real tokens trains padded, and the step is exact."""
-    import hfacc.padding_free as padding_free
+    import hfacc.setup.layout_check as layout_check
 
-    check = padding_free.check_padding_free
-    monkeypatch.setattr(padding_free, "uses_one_row", lambda model: True)
+    check = layout_check.check_padding_free
+    monkeypatch.setattr(layout_check, "uses_one_row", lambda model: True)
     monkeypatch.setattr(
-        padding_free,
+        layout_check,
         "check_padding_free",
         lambda model, batch, one_row=None: check(model, batch, one_row) if one_row else "rows leak under flash",
     )
@@ -495,9 +490,9 @@ def test_a_later_micro_batch_longer_than_the_first_is_checked_or_stays_padded(tm
     where the data's longest is not known (a stream), rows are bounded to what was verified."""
     from types import SimpleNamespace
 
-    from hfacc.padding_free import choose_padding_free
+    from hfacc.setup.layout_check import choose_padding_free
 
-    monkeypatch.setattr("hfacc.padding_free.uses_one_row", lambda model: True)
+    monkeypatch.setattr("hfacc.setup.layout_check.uses_one_row", lambda model: True)
     model = build_family("llama4", floor_scale=64, attention_chunk_size=64, initializer_range=0.5)
     examples = make_examples(4, seed=19, lengths=(5, 12)) + make_examples(4, seed=16, lengths=(20, 30))
     reference = padded_reference(model, examples, 4)

@@ -22,7 +22,7 @@ from hfacc import (
     TokenWeightedTrainer,
     build_tiny_llama,
 )
-from hfacc.loss import shift_labels
+from hfacc.data.padding_free import remove_padding
 from hfacc.objectives import SetupContext
 from hfacc.objectives.policy_gradient import (
     LOSS_TYPES,
@@ -32,8 +32,8 @@ from hfacc.objectives.policy_gradient import (
     normalize_policy_loss,
     policy_gradient_sums,
 )
-from hfacc.padding_free import remove_padding
-from hfacc.window import compute_micro_batch_loss, count_window
+from hfacc.ops.loss import shift_labels
+from hfacc.training.window import compute_micro_batch_loss, count_window
 from tests.helpers import VOCAB, flat_grad, relative_error, run_trainer, train_args
 from tests.rollouts import make_rollout, reference_gradient, reference_sgd_steps, token_logps
 

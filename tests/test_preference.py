@@ -29,16 +29,9 @@ from hfacc import (
     build_tiny_llama,
     iter_windows,
 )
-from hfacc.model_setup import build_model_setup
-from hfacc.objectives.preference import (
-    hinge_loss,
-    ipo_loss,
-    preference_losses,
-    robust_loss,
-    sigmoid_loss,
-    simpo_loss,
-)
-from hfacc.padding_free import remove_padding
+from hfacc.data.padding_free import remove_padding
+from hfacc.objectives.preference import hinge_loss, ipo_loss, preference_losses, robust_loss, sigmoid_loss, simpo_loss
+from hfacc.setup.model_setup import build_model_setup
 from tests.helpers import CaptureGradients, relative_error, train_args
 from tests.preference_reference import (
     BETA,

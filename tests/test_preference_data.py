@@ -1,4 +1,4 @@
-"""Preference pairs as data (hfacc/preference_data.py): the three row shapes, the scored tokens (the answer as the
+"""Preference pairs as data (hfacc/data/preference.py): the three row shapes, the scored tokens (the answer as the
 chat template renders it: the same tokens and labels as an SFT row of that conversation), truncation, bad rows,
 streams, and reference log-probs computed once."""
 
@@ -19,8 +19,8 @@ from hfacc import (
     build_tiny_llama,
     precompute_reference_logps,
 )
-from hfacc.data import DataError
-from hfacc.embedded import build_default_tokenizer
+from hfacc.data.embedded import build_default_tokenizer
+from hfacc.data.formats import DataError
 from tests.chat_corpus import TOOL_CALL, TOOLS, tokenizer_for
 from tests.helpers import CaptureGradients, relative_error, train_args
 from tests.preference_reference import big_batch, reference_logps

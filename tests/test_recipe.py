@@ -9,7 +9,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from hfacc.config import parse_args
+from hfacc.runtime.config import parse_args
 from tests.helpers import ROOT, free_port, load_recipe, recipe_types
 
 pytestmark = pytest.mark.slow

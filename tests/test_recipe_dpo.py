@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hfacc.config import parse_args
+from hfacc.runtime.config import parse_args
 from tests.helpers import load_recipe, recipe_types
 
 pytestmark = pytest.mark.slow

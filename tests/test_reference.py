@@ -1,12 +1,13 @@
-"""The reference model (hfacc/reference.py): frozen copy, the user's model, a PEFT policy's base; no gradient."""
+"""The reference model (hfacc/models/reference.py): frozen copy, the user's model, a PEFT policy's base; no
+gradient."""
 
 import torch
 from peft import LoraConfig, get_peft_model
 
 from hfacc import build_tiny_llama
-from hfacc.logprobs import get_token_logprobs
-from hfacc.loss import shift_labels
-from hfacc.reference import build_reference_model
+from hfacc.models.reference import build_reference_model
+from hfacc.ops.logprobs import get_token_logprobs
+from hfacc.ops.loss import shift_labels
 from tests.helpers import VOCAB, make_examples, pad
 
 

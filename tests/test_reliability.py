@@ -13,12 +13,14 @@ from datasets import Dataset
 from torch import nn
 
 from hfacc import DataCollatorForCausalLM, NonFiniteLossError, TokenWeightedArguments, TokenWeightedTrainer
-from hfacc.checkpoint import MARKER, RUN_RECORD, resolve_checkpoint
-from hfacc.config import ConfigError
-from hfacc.console import format_train_log
-from hfacc.data import DataError, build_sft_dataset, load_sft_source
-from hfacc.embedded import build_bpe_tokenizer, build_default_tokenizer, build_tiny_llama
-from hfacc.modeling import get_tokenizer, load_causal_lm
+from hfacc.data.embedded import build_bpe_tokenizer, build_default_tokenizer, build_tiny_llama
+from hfacc.data.formats import DataError
+from hfacc.data.sft import build_sft_dataset
+from hfacc.data.sources import load_sft_source
+from hfacc.jobs.console import format_train_log
+from hfacc.models.loading import get_tokenizer, load_causal_lm
+from hfacc.runtime.config import ConfigError
+from hfacc.training.checkpoint import MARKER, RUN_RECORD, resolve_checkpoint
 from tests.helpers import ROOT, VOCAB, load_recipe, make_examples, recipe_types, run_trainer, train_args
 
 COLLATE = DataCollatorForCausalLM(pad_token_id=0)
@@ -152,7 +154,7 @@ def test_invalid_settings_name_the_field(tmp_path, settings, match):
 
 
 def test_a_config_with_unknown_keys_is_an_error(tmp_path):
-    from hfacc.config import parse_args
+    from hfacc.runtime.config import parse_args
 
     bad = tmp_path / "c.yaml"
     bad.write_text("learning_rate: 1.0e-4\nbatch_size: 8\n")
@@ -528,7 +530,7 @@ MISTAKES = {
 @pytest.mark.parametrize("case", list(MISTAKES))
 def test_every_listed_mistake_is_one_error_line_with_exit_code_2(mistakes, case, tmp_path, capsys, monkeypatch):
     """The recipe's __main__ in-process. Before: raw tracebacks, or messages that named no line or no fix."""
-    from hfacc.console import EXIT_USER_ERROR, run_recipe
+    from hfacc.jobs.console import EXIT_USER_ERROR, run_recipe
 
     monkeypatch.delenv("HFACC_DEBUG", raising=False)
     argv, expected = MISTAKES[case]
@@ -554,7 +556,7 @@ def test_a_stream_whose_every_row_is_dropped_stops_after_one_pass(tokenizer):
     """Before: it read the stream again and again (a 20-row stream 2000 times; the recipe: epoch 1400)."""
     from datasets import IterableDataset
 
-    from hfacc.streaming import StreamBatches
+    from hfacc.data.streaming import StreamBatches
 
     read = []
 

@@ -18,18 +18,18 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from hfacc import checkpoint as checkpoints
-from hfacc.checkpoint import (
+from hfacc.jobs.console import describe_user_error
+from hfacc.runtime.config import ConfigError
+from hfacc.runtime.distributed import get_epoch_layout
+from hfacc.training import checkpoint as checkpoints
+from hfacc.training.checkpoint import (
     MARKER,
     RUN_RECORD,
     checkpoint_problem,
     get_last_complete_checkpoint,
     resolve_checkpoint,
 )
-from hfacc.config import ConfigError
-from hfacc.console import describe_user_error
-from hfacc.distributed import get_epoch_layout
-from hfacc.hashing import hashing_writes, relative_digests
+from hfacc.training.hashing import hashing_writes, relative_digests
 from tests import resume_check as check
 from tests.helpers import ROOT, torchrun
 

@@ -11,10 +11,11 @@ import torch
 from datasets import Dataset, IterableDataset
 
 from hfacc import DataCollatorForCausalLM
-from hfacc.console import describe_user_error
-from hfacc.data import DataError, build_sft_dataset
-from hfacc.embedded import build_default_tokenizer
-from hfacc.streaming import STATE_KEY, SFTStream, StreamBatches
+from hfacc.data.embedded import build_default_tokenizer
+from hfacc.data.formats import DataError
+from hfacc.data.sft import build_sft_dataset
+from hfacc.data.streaming import STATE_KEY, SFTStream, StreamBatches
+from hfacc.jobs.console import describe_user_error
 from tests import streaming_check as check
 from tests.helpers import ROOT, free_port, load_recipe, recipe_types, torchrun
 
@@ -209,7 +210,7 @@ def write_jsonl(path, rows):
 @pytest.mark.slow
 def test_recipe_streams_a_local_jsonl_and_resumes(tmp_path, rows):
     module = load_recipe()
-    from hfacc.config import parse_args
+    from hfacc.runtime.config import parse_args
 
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     common = ["--config", str(module.DEFAULT_CONFIG), *RECIPE, "--dataset_name", str(data)]
@@ -297,12 +298,12 @@ def test_a_sharded_stream_with_held_out_rows_is_split_row_by_row(tokenizer):
 def test_map_style_tokenization_uses_several_processes_when_large_and_says_how_long(
     tokenizer, rows, monkeypatch, caplog
 ):
-    import hfacc.data
+    import hfacc.data.sft
 
-    monkeypatch.setattr(hfacc.data, "PARALLEL_ROWS", 16)  # "large", for this test
-    monkeypatch.setattr(hfacc.data.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(hfacc.data.sft, "PARALLEL_ROWS", 16)  # "large", for this test
+    monkeypatch.setattr(hfacc.data.sft.os, "cpu_count", lambda: 2)
     data = Dataset.from_list(rows[:32])
-    with caplog.at_level("INFO", logger="hfacc.data"):
+    with caplog.at_level("INFO", logger="hfacc.data.sft"):
         parallel = build_sft_dataset(data, tokenizer, max_length=64)
     assert "tokenized 32 messages rows in" in caplog.text and "(2 processes)" in caplog.text
     single = build_sft_dataset(data, tokenizer, max_length=64, num_proc=1)

@@ -180,7 +180,7 @@ def text_lines(n=40):
 def causal_lm_data():
     from datasets import Dataset
 
-    from hfacc.embedded import build_default_tokenizer
+    from hfacc.data.embedded import build_default_tokenizer
 
     # Trained on these lines, not on the demo's data: the test's numbers must not move when the demo changes.
     tokenizer = build_default_tokenizer(corpus=text_lines())

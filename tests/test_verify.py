@@ -10,7 +10,7 @@ from transformers import Trainer
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama
 from hfacc.cli import main as cli_main
-from hfacc.verify import verify_accumulation
+from hfacc.verify.equivalence import verify_accumulation
 from tests.helpers import ROOT, VOCAB, KwargsLM, make_examples, relative_error, run_trainer, torchrun, train_args
 
 COLLATE = DataCollatorForCausalLM(pad_token_id=0)

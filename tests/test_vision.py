@@ -24,12 +24,13 @@ import torch.nn.functional as F
 from PIL import Image
 
 from hfacc import DataCollatorForVisionLM, TokenWeightedArguments, TokenWeightedTrainer, build_sft_dataset
-from hfacc.batching import pack_examples, require_packing_support
-from hfacc.data import DataError
-from hfacc.loss import IGNORE_INDEX, shift_labels
-from hfacc.multimodal import check_image_layout, with_packed_positions
-from hfacc.padding_free import remove_padding
-from hfacc.vision import get_image_token_ids, get_processor
+from hfacc.data.batching import pack_examples
+from hfacc.data.formats import DataError
+from hfacc.data.multimodal import with_packed_positions
+from hfacc.data.padding_free import remove_padding
+from hfacc.data.vision import get_image_token_ids, get_processor
+from hfacc.ops.loss import IGNORE_INDEX, shift_labels
+from hfacc.setup.layout_check import check_image_layout, require_packing_support
 from tests.helpers import ROOT, flat_grad, free_port, relative_error, run_trainer, train_args
 from tests.vision_families import FAMILIES, conversation_rows, model_for, processor_for
 
@@ -182,7 +183,9 @@ def test_every_split_and_padding_free_give_the_big_batch_update(tmp_path, family
     splits = [(2, 4, None), (1, 8, None), (8, 1, "one_row"), (3, 3, "rows")]
     for bs, ga, layout in splits:  # (3, 3): ragged, micro-batches of 3, 3 and 2
         # (one row forced here: flash and flex attention need CUDA for their backward)
-        monkeypatch.setattr("hfacc.padding_free.uses_one_row", lambda model, one_row=layout == "one_row": one_row)
+        monkeypatch.setattr(
+            "hfacc.setup.layout_check.uses_one_row", lambda model, one_row=layout == "one_row": one_row
+        )
         args = train_args(tmp_path, bs, ga, args_class=TokenWeightedArguments, padding_free=layout is not None)
         with caplog.at_level(logging.INFO, logger="hfacc"):
             trainer, capture = run_trainer(TokenWeightedTrainer, model_for(family), examples, args, collator)
@@ -242,13 +245,13 @@ def test_the_image_layout_check_sees_positions_and_order(monkeypatch):
     model = model_for("qwen2_5_vl")
     batch = collate("qwen2_5_vl", examples_for("qwen2_5_vl"))
     assert check_image_layout(model, batch, remove_padding(batch, one_row=False)) is None
-    monkeypatch.setattr("hfacc.multimodal.with_packed_positions", lambda model, inputs: inputs)
+    monkeypatch.setattr("hfacc.setup.layout_check.with_packed_positions", lambda model, inputs: inputs)
     assert "differ from the padded ones" in check_image_layout(model, batch, remove_padding(batch, one_row=True))
     monkeypatch.undo()
-    from hfacc.batching import best_fit_decreasing
+    from hfacc.data.batching import best_fit_decreasing
 
     model, batch = model_for("llava_next"), collate("llava_next", examples_for("llava_next"))
-    monkeypatch.setattr("hfacc.padding_free.get_ordered_rows", best_fit_decreasing)  # longest first
+    monkeypatch.setattr("hfacc.data.padding_free.get_ordered_rows", best_fit_decreasing)  # longest first
     assert "differ from the padded ones" in check_image_layout(model, batch, remove_padding(batch, one_row=False))
 
 
@@ -269,7 +272,7 @@ def test_packed_rows_with_images_give_the_big_batch_update(tmp_path, family):
 def test_packing_check_refuses_rows_without_per_sequence_positions(monkeypatch):
     rows = pack_examples(examples_for("qwen2_5_vl"), max_length=256)
     batch = DataCollatorForVisionLM(processor_for("qwen2_5_vl"))(rows)
-    monkeypatch.setattr("hfacc.multimodal.with_packed_positions", lambda model, inputs: inputs)
+    monkeypatch.setattr("hfacc.setup.layout_check.with_packed_positions", lambda model, inputs: inputs)
     with pytest.raises(RuntimeError, match="differ from the padded ones"):
         require_packing_support(model_for("qwen2_5_vl"), batch)
 
@@ -362,7 +365,7 @@ def test_the_recipe_stops_on_a_bad_image_with_one_message(tmp_path, capsys):
     rows = [{"messages": conversation_rows("qwen2_5_vl", 1)[0]["messages"][:2], "images": ["nowhere.png"]}] * 3
     path = tmp_path / "images.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    from hfacc.sft import cli
+    from hfacc.jobs.sft import cli
 
     with pytest.raises(SystemExit) as stop:
         cli([*VLM, "--dataset_name", str(path), "--max_steps", "1", "--output_dir", str(tmp_path / "out")])
@@ -404,7 +407,7 @@ def test_qwen_processor_loads_without_torchvision(tmp_path):
     again = build_sft_dataset(datasets.Dataset.from_list(rows[:3]), loaded)
     assert again["input_ids"] == dataset["input_ids"][:3] and again["labels"] == dataset["labels"][:3]
     # The recipe's loader (--model_name_or_path <VLM>) picks the model's image-text class and its processor.
-    from hfacc.modeling import ModelArguments, load_model_and_tokenizer
+    from hfacc.models.loading import ModelArguments, load_model_and_tokenizer
 
     model_for("qwen2_5_vl").save_pretrained(tmp_path)
     model, processor = load_model_and_tokenizer(ModelArguments(model_name_or_path=str(tmp_path)))
@@ -416,7 +419,7 @@ def test_the_tiny_vlm_recipe_runs_a_few_steps(tmp_path, caplog):
     """recipes/configs/tiny-vlm.yaml, shortened for CI and packed (rows of several conversations and their
     pictures, checked against their sequences padded): the tiny Qwen2.5-VL trains on pictures and answers held-out
     pictures (the full run, padding-free: README)."""
-    from hfacc.config import parse_args
+    from hfacc.runtime.config import parse_args
     from tests.helpers import load_recipe, recipe_types
 
     module = load_recipe()
@@ -464,7 +467,7 @@ def test_a_vlm_checkpoint_is_the_models_own(tmp_path, family):
     Trainer's resume does not map back (it would go on from untrained weights). Before: refused as "its weights are
     another model's", for the very model that saved them. Now they are recognized, and loaded through transformers'
     conversion (TokenWeightedTrainer._load_from_checkpoint; tests/test_resume.py resumes a Mixtral exactly so)."""
-    from hfacc.checkpoint import check_checkpoint_weights, saved_under_original_names
+    from hfacc.training.checkpoint import check_checkpoint_weights, saved_under_original_names
 
     model = model_for(family)
     model.save_pretrained(tmp_path / "checkpoint-1")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hfacc.padding_free as padding_free_module  # noqa: E402
+import hfacc.setup.layout_check as layout_check  # noqa: E402
 from hfacc import DataCollatorForVisionLM, TokenWeightedArguments, TokenWeightedTrainer  # noqa: E402
 from tests.helpers import relative_error, run_trainer, train_args  # noqa: E402
 from tests.test_vision import FAMILIES, examples_for, reference_gradient  # noqa: E402
@@ -27,7 +27,7 @@ from tests.vision_families import model_for, processor_for  # noqa: E402
 def main(out_path: str) -> None:
     # Padding-free in one row (what flash/flex attention get; sdpa's rows of the longest sequence hold one
     # sequence each at 2 per micro-batch): the ranks' sequences really share a row.
-    padding_free_module.uses_one_row = lambda model: True
+    layout_check.uses_one_row = lambda model: True
     results = {"cases": {}}
     for family in FAMILIES:
         examples = examples_for(family)

@@ -3,7 +3,7 @@
 Each processor is the family's own processor class with the family's published chat template
 (tests/chat_templates), a byte-level BPE tokenizer holding the model's special tokens, and the image processor's
 defaults but for the image size (28-56 px: one or a few patches). Qwen2.5-VL's processor is built without its video
-processor (:func:`hfacc.vision.get_image_only_processor_class`): transformers' video processors need torchvision.
+processor (:func:`hfacc.data.vision.get_image_only_processor_class`): transformers' video processors need torchvision.
 The models have one layer, hidden size 32, vision towers of one layer.
 """
 
@@ -17,8 +17,8 @@ import torch
 import transformers as T
 from PIL import Image, ImageDraw
 
-from hfacc.embedded import build_bpe_tokenizer
-from hfacc.vision import get_image_only_processor_class
+from hfacc.data.embedded import build_bpe_tokenizer
+from hfacc.data.vision import get_image_only_processor_class
 from tests.chat_corpus import template
 
 FAMILIES = ("qwen2_5_vl", "idefics3", "llava_next", "gemma3")

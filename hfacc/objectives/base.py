@@ -4,14 +4,15 @@ An :class:`Objective` is the one place a loss family plugs into hfacc. Its life,
 
 1. ``setup(context)`` — once per model, before the first window: the decisions only this family can take (a frozen
    reference model, reference log-probs, ...). The generic ones — which layout (padding-free), which loss path
-   (fused) — :mod:`hfacc.model_setup` takes from what the objective declares (``supports_padding_free``, ``fused``).
+   (fused) — :mod:`hfacc.setup.model_setup` takes from what the objective declares (``supports_padding_free``,
+   ``fused``).
 2. ``count(batch)`` — the micro-batch's units, ``tensor([primary, sequences, *more])`` (int64), before any forward:
    the window's totals over all micro-batches and ranks are the denominators of every micro-batch's loss, and must
    be known before the first ``backward()``. ``units`` names the entries.
 3. ``objective(model, batch)`` — run the model; return its outputs and the loss *sums* over the units (a
-   :class:`~hfacc.loss.LossSums` for one-unit losses; a family may return a richer tuple of its own).
+   :class:`~hfacc.ops.loss.LossSums` for one-unit losses; a family may return a richer tuple of its own).
 4. ``loss(sums, counts)`` — the micro-batch's share of the window loss: each sum divided by its own unit's window
-   total, times the P data-parallel ranks (:func:`hfacc.loss.normalize_window_loss` for one-unit losses). Summed
+   total, times the P data-parallel ranks (:func:`hfacc.ops.loss.normalize_window_loss` for one-unit losses). Summed
    over the window and averaged over the ranks, that is the big batch's loss, whatever the split.
 5. ``metric_sums(sums)`` / ``metric_logs(totals)`` — what is logged: sums added up over micro-batches, windows and
    ranks (on device until logged), turned into means only when logged, each over its own unit.
@@ -33,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import num_rows
-from ..loss import LossSums, WindowCounts, normalize_window_loss
+from ..ops.loss import LossSums, WindowCounts, normalize_window_loss
+from ..runtime.distributed import num_rows
 
 
 @dataclass
@@ -48,8 +49,8 @@ class SetupContext:
         args: the run's :class:`hfacc.TokenWeightedArguments` (None outside a trainer, e.g. ``hfacc verify``).
         trainer: the :class:`hfacc.TokenWeightedTrainer`, when there is one (e.g. to read its datasets once).
         initial_policy: a resumed run's copy of the policy taken before the checkpoint's weights were loaded into it
-            (:func:`hfacc.reference.copy_initial_policy`), for an objective that :meth:`Objective.copies_policy`;
-            None: the model is as training started.
+            (:func:`hfacc.models.reference.copy_initial_policy`), for an objective that
+            :meth:`Objective.copies_policy`; None: the model is as training started.
     """
 
     model: nn.Module
@@ -70,7 +71,7 @@ class Objective(ABC):
     "correct" means nothing for them. A loss of several terms, each over a unit of its own (pairs and tokens, say),
     also overrides :meth:`loss`, :meth:`metric_sums` and :meth:`metric_logs`.
 
-    >>> from hfacc.model_io import get_logits, model_inputs
+    >>> from hfacc.ops.model_io import get_logits, model_inputs
     >>> class MeanAbsoluteError(Objective):
     ...     name = "mae"
     ...     has_accuracy = False
@@ -94,13 +95,13 @@ class Objective(ABC):
     # Whether ``__call__(..., per_sequence=True)`` returns one sum per sequence. Evaluation on several ranks needs
     # them to drop the examples accelerate repeats; objectives without them are evaluated on the real rows only.
     sums_per_sequence = True
-    # Whether micro-batches may be laid out padding-free (hfacc.padding_free): the objective reads its targets
-    # through hfacc.loss.shift_labels (which sees where packed sequences start) and anything per sequence through
+    # Whether micro-batches may be laid out padding-free (hfacc.data.padding_free): the objective reads its targets
+    # through hfacc.ops.loss.shift_labels (which sees where packed sequences start) and anything per sequence through
     # the layout's `sequence_ids`.
     supports_padding_free = False
     # Whether the loss can be computed from the final hidden states in chunks, never holding the full logits
-    # (hfacc.loss_path.choose_loss_path decides, once per model, and sets ``fused``); such an objective implements
-    # ``check_fused(model, batch, normalization)``: why not for this model (None: it can).
+    # (hfacc.setup.loss_path.choose_loss_path decides, once per model, and sets ``fused``); such an objective
+    # implements ``check_fused(model, batch, normalization)``: why not for this model (None: it can).
     supports_fused = False
     fused = False
     fused_description = "fused chunked cross-entropy"  # what the fused path is, in words (hfacc verify's report)
@@ -138,7 +139,7 @@ class Objective(ABC):
         self, sums: Any, counts: WindowCounts, *, normalization: str = "token", world_size: int = 1
     ) -> torch.Tensor:
         """One micro-batch's share of the window loss, ready for ``backward()``: its sums over the window's counts
-        (summed over all ranks), times ``world_size`` (:func:`hfacc.loss.normalize_window_loss`)."""
+        (summed over all ranks), times ``world_size`` (:func:`hfacc.ops.loss.normalize_window_loss`)."""
         return normalize_window_loss(sums, counts, normalization=normalization, world_size=world_size)
 
     def mean_loss(self, sums: Any) -> torch.Tensor:

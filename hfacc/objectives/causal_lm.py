@@ -10,17 +10,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..fused_loss import FusedOutputHead, fused_loss_problem, swap_output_head
-from ..loss import IGNORE_INDEX, cross_entropy_sums, get_sequence_ids, per_sequence_sums, shift_labels
-from ..model_io import get_base_model, get_logits, model_inputs, packed_position_ids
-from ..multimodal import with_packed_positions
+from ..data.multimodal import with_packed_positions
+from ..ops.fused_loss import FusedOutputHead, fused_loss_problem, swap_output_head
+from ..ops.loss import IGNORE_INDEX, cross_entropy_sums, get_sequence_ids, per_sequence_sums, shift_labels
+from ..ops.model_io import get_base_model, get_logits, model_inputs, packed_position_ids
 from .base import Objective
 
 
 class CausalLMObjective(Objective):
     """Next-token prediction: ``logits[:, i]`` is scored against ``labels[:, i + 1]`` (labels != -100).
 
-    Targets follow :func:`hfacc.loss.shift_labels`, the one definition: the shift never crosses a sequence boundary
+    Targets follow :func:`hfacc.ops.loss.shift_labels`, the one definition: the shift never crosses a sequence boundary
     (``position_ids`` that restart) and padding is never a target. A batch may carry ``shift_labels`` (already
     aligned, e.g. from a padding-free collator); they are used as is, except at padding positions.
     Packed rows (``position_ids`` that restart, no ``attention_mask``) run with ``use_cache=False``: with a cache,
@@ -28,11 +28,11 @@ class CausalLMObjective(Objective):
     per packed sequence, not per row.
 
     With ``fused=True`` the output projection's forward is swapped, for the length of one forward, for one that
-    computes the loss sums from the final hidden states in chunks (:mod:`hfacc.fused_loss`), so the full
+    computes the loss sums from the final hidden states in chunks (:mod:`hfacc.ops.fused_loss`), so the full
     ``[B, T, V]`` logits never exist; the model's output then holds the loss sum where its logits would be. The head
     module itself is still called inside the model's own forward, so DDP sees every parameter it expects and
-    FSDP2/ZeRO-3 gather its weight as usual. :func:`hfacc.loss_path.choose_loss_path` decides whether a model can be
-    taken apart like this.
+    FSDP2/ZeRO-3 gather its weight as usual. :func:`hfacc.setup.loss_path.choose_loss_path` decides whether a model can
+    be taken apart like this.
     """
 
     name = "causal_lm"
@@ -62,7 +62,9 @@ class CausalLMObjective(Objective):
         inputs = model_inputs(batch)
         if packed_position_ids(inputs) is not None:
             inputs["use_cache"] = False
-            inputs = with_packed_positions(model, inputs)  # hfacc.multimodal: mrope positions per sequence (Qwen2-VL)
+            inputs = with_packed_positions(
+                model, inputs
+            )  # hfacc.data.multimodal: mrope positions per sequence (Qwen2-VL)
         targets = self._targets(batch)
         sequences = get_batch_sequences(batch, targets.shape) if per_sequence else None
         if self.fused and (model.training or self.fused_in_eval) and not (per_sequence and torch.is_grad_enabled()):
@@ -122,7 +124,7 @@ class CausalLMObjective(Objective):
 def get_batch_sequences(batch: Mapping[str, Any], shape: torch.Size) -> tuple[torch.Tensor, int] | None:
     """``(ids, n)``: which of the batch's n sequences each position belongs to, where rows hold several; None when
     every row is one sequence. From hfacc's ``sequence_ids`` when a layout set them (padding-free: the original
-    rows), else from the restarts of packed rows' ``position_ids`` (:func:`hfacc.loss.get_sequence_ids`)."""
+    rows), else from the restarts of packed rows' ``position_ids`` (:func:`hfacc.ops.loss.get_sequence_ids`)."""
     if batch.get("sequence_ids") is not None:
         return batch["sequence_ids"], batch["num_sequences"]
     positions = packed_position_ids(batch)

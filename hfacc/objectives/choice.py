@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..loss import IGNORE_INDEX
-from ..model_io import get_base_model, get_num_virtual_tokens
+from ..ops.loss import IGNORE_INDEX
+from ..ops.model_io import get_base_model, get_num_virtual_tokens
 from .base import Objective
 from .causal_lm import CausalLMObjective
 from .heads import (

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..loss import LossSums
-from ..model_io import model_inputs
+from ..ops.loss import LossSums
+from ..ops.model_io import model_inputs
 from .base import Objective
 
 

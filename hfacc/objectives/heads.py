@@ -7,8 +7,8 @@ from collections.abc import Mapping
 
 import torch
 
-from ..loss import IGNORE_INDEX, LossSums, binary_cross_entropy_sums, cross_entropy_sums, squared_error_sums
-from ..model_io import get_base_model, get_logits, model_inputs
+from ..ops.loss import IGNORE_INDEX, LossSums, binary_cross_entropy_sums, cross_entropy_sums, squared_error_sums
+from ..ops.model_io import get_base_model, get_logits, model_inputs
 from .base import Objective
 
 

@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..logprobs import check_fused_logprobs, get_token_logprobs
-from ..loss import IGNORE_INDEX, WindowCounts, shift_labels
-from ..model_io import get_num_virtual_tokens, model_inputs, packed_position_ids
-from ..reference import build_reference_model
+from ..models.reference import build_reference_model
+from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
+from ..ops.loss import IGNORE_INDEX, WindowCounts, shift_labels
+from ..ops.model_io import get_num_virtual_tokens, model_inputs, packed_position_ids
 from .base import Objective
 from .causal_lm import get_batch_sequences
 
@@ -163,7 +163,7 @@ class PolicyGradientObjective(Objective):
         epsilon_high: upper clipping bound, ``r <= 1 + epsilon_high`` (None: ``epsilon``; DAPO's clip-higher: 0.28).
         beta: weight of the k3 KL estimate to the reference (0: no reference needed).
         ref_model: the reference for ``beta > 0`` (None: a frozen copy of the policy as training starts, or a PEFT
-            policy's base: :func:`hfacc.reference.build_reference_model`); rows with ``ref_logps`` need none.
+            policy's base: :func:`hfacc.models.reference.build_reference_model`); rows with ``ref_logps`` need none.
         max_completion_length: the longest completion the rollout could sample (``"dr_grpo"``'s constant).
         temperature: the sampling temperature: log-probs are those of ``logits / temperature``, as sampled.
 
@@ -358,7 +358,7 @@ class PolicyGradientObjective(Objective):
 
 
 def get_completion_targets(batch: Mapping[str, Any]) -> torch.Tensor:
-    """The completion tokens aligned with the positions that predict them (:func:`hfacc.loss.shift_labels`)."""
+    """The completion tokens aligned with the positions that predict them (:func:`hfacc.ops.loss.shift_labels`)."""
     return shift_labels(
         batch["labels"], position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask")
     )
@@ -385,7 +385,7 @@ def get_target_rows(batch: Mapping[str, Any], targets: torch.Tensor) -> tuple[to
 def get_aligned_values(values: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
     """Per-token values given aligned with ``labels`` (``values[t]`` belongs to token t), read at the targets ``mask``.
 
-    The target of position t is token t + 1 (:func:`hfacc.loss.shift_labels`), so its value is ``values[t + 1]``:
+    The target of position t is token t + 1 (:func:`hfacc.ops.loss.shift_labels`), so its value is ``values[t + 1]``:
     the values shift exactly as the labels do, inside each packed row too (``mask`` is False where the next position
     starts another sequence).
     """

@@ -5,8 +5,8 @@ A micro-batch of B pairs is one ``[2B, T]`` batch (:class:`hfacc.DataCollatorFor
 the chosen sequences, rows ``B..2B-1`` the rejected ones, with ``labels`` -100 wherever a token is not scored, as in
 SFT. So chosen and rejected go through the model in one forward, the padding-free layout applies as it does to SFT
 batches (``sequence_ids`` then say which row each position came from), and a target is what
-:func:`hfacc.loss.shift_labels` says it is. A sequence's log-probability is the sum of its targets' log-probs, taken
-from the final hidden states in chunks (:mod:`hfacc.logprobs`): never the full ``[2B, T, V]`` logits.
+:func:`hfacc.ops.loss.shift_labels` says it is. A sequence's log-probability is the sum of its targets' log-probs,
+taken from the final hidden states in chunks (:mod:`hfacc.ops.logprobs`): never the full ``[2B, T, V]`` logits.
 
 The window's loss, over its P pairs and C chosen target tokens on all ranks, is
 
@@ -30,18 +30,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..distributed import all_ranks_agree, num_rows
-from ..logprobs import check_fused_logprobs, get_token_logprobs
-from ..loss import IGNORE_INDEX, WindowCounts, shift_labels
-from ..model_io import model_inputs, packed_position_ids
-from ..reference import ReferenceModel, build_reference_model
+from ..data.preference import REF_LOGPS
+from ..models.reference import ReferenceModel, build_reference_model
+from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
+from ..ops.loss import IGNORE_INDEX, WindowCounts, shift_labels
+from ..ops.model_io import model_inputs, packed_position_ids
+from ..runtime.distributed import all_ranks_agree, num_rows
 from .base import Objective, SetupContext
 from .causal_lm import get_batch_sequences
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
 # Losses that compare the policy with a reference model; simpo is reference-free.
 REFERENCE_LOSSES = ("sigmoid", "ipo", "hinge", "robust")
-REF_LOGPS = "ref_logps"  # the batch key of precomputed reference log-probs, one per row ([2B]: chosen, then rejected)
 
 
 # ---- the loss math: pure functions of per-sequence log-probs ---------------------------------------------------
@@ -288,7 +288,7 @@ class DPOObjective(Objective):
 
     def check_fused(self, model, batch, normalization: str = "token") -> str | None:
         """Why the chunked log-probs would not be this model's own (None: they are); see
-        :func:`hfacc.logprobs.check_fused_logprobs`."""
+        :func:`hfacc.ops.logprobs.check_fused_logprobs`."""
         return check_fused_logprobs(model, self._inputs(batch), self._targets(batch))
 
     # ---- per micro-batch ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Exact match, as an `evaluate` module shipped with hfacc (the hub's copy is unreachable offline).
 
-Load it with ``hfacc.evaluation.load_exact_match()`` or ``evaluate.load(path_to_this_file)``.
+Load it with ``hfacc.generation.evaluation.load_exact_match()`` or ``evaluate.load(path_to_this_file)``.
 """
 
 import datasets

@@ -1,0 +1,311 @@
+"""Rollouts: completions sampled from the policy, scored by reward functions, turned into rows with advantages.
+
+The pieces of an online policy-gradient step before any gradient (:class:`hfacc.GRPOTrainer` runs them):
+
+1. :func:`get_prompt_ids` — a prompt (text, or chat messages through the tokenizer's chat template) as token ids;
+2. :func:`sample_completions` — ``num_generations`` completions per prompt with transformers ``generate`` (sampling
+   settings, ``max_completion_length``, stop at EOS; no gradient, eval mode);
+3. :func:`score_completions` — each reward function ``f(prompts, completions, **columns) -> list[float]`` on the
+   whole batch; one that raises, returns the wrong number of rewards or a non-finite one is named, with the row;
+4. :func:`group_advantages` — each completion's reward minus its prompt group's mean (optionally over the std);
+5. :func:`build_rollout_rows` — rows for :class:`hfacc.PolicyGradientObjective`: ``input_ids`` (prompt +
+   completion), ``labels`` (-100 on the prompt) and ``advantages``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..data.formats import DataError
+from ..ops.loss import IGNORE_INDEX
+
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+class RewardFunctionError(DataError):
+    """A reward function raised, or returned something other than one finite float per completion."""
+
+
+def is_conversational(prompt: Any) -> bool:
+    """Whether a prompt is chat messages (a list of ``{"role", "content"}``) rather than text."""
+    return isinstance(prompt, (list, tuple)) and all(isinstance(m, Mapping) and "role" in m for m in prompt)
+
+
+def get_prompt_ids(tokenizer, prompt: Any, max_prompt_length: int | None = None) -> list[int]:
+    """The token ids of one prompt: chat messages through the chat template (with the generation prompt), text as is.
+
+    A prompt longer than ``max_prompt_length`` keeps its last tokens (the end is what the completion continues).
+    """
+    if is_conversational(prompt):
+        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the special tokens
+    elif isinstance(prompt, str):
+        ids = tokenizer(prompt)["input_ids"]
+    else:
+        raise DataError(f"a prompt must be text or a list of chat messages, got {type(prompt).__name__}: {prompt!r}")
+    return list(ids[-max_prompt_length:] if max_prompt_length else ids)
+
+
+@dataclass
+class SamplingSettings:
+    """How completions are sampled (transformers ``generate`` settings, TRL's names)."""
+
+    max_completion_length: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+
+
+@torch.no_grad()
+def sample_completions(
+    model: nn.Module, tokenizer, prompt_ids: Sequence[Sequence[int]], settings: SamplingSettings
+) -> tuple[list[list[int]], list[bool]]:
+    """One sampled completion per prompt (repeat a prompt to get several): ``(completion ids, truncated flags)``.
+
+    The prompts are left-padded into one batch; ``generate`` runs in eval mode without gradient and stops each row at
+    the tokenizer's EOS. A completion keeps its EOS (the policy learns to stop); one that reached
+    ``max_completion_length`` without it is *truncated*.
+    """
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    if eos is None or pad is None:
+        raise ValueError("sampling completions needs a tokenizer with an EOS and a pad token")
+    width = max(len(p) for p in prompt_ids)
+    device = next(model.parameters()).device
+    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):  # left padding: every row's completion starts at column `width`
+        ids[i, width - len(p) :] = torch.tensor(list(p))
+        mask[i, width - len(p) :] = 1
+    was_training = model.training
+    model.eval()
+    try:
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=True,
+            max_new_tokens=settings.max_completion_length,
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k,  # 0: no top-k (the model's generation_config would otherwise say 50)
+            repetition_penalty=settings.repetition_penalty,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+    finally:
+        model.train(was_training)
+    completions, truncated = [], []
+    for row in out[:, width:].tolist():
+        end = row.index(eos) + 1 if eos in row else len(row)
+        completions.append(row[:end])
+        truncated.append(eos not in row)
+    return completions, truncated
+
+
+def get_reward_name(func: Callable) -> str:
+    """How a reward function is named in logs and errors (TRL's rule: its ``__name__``)."""
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def score_completions(
+    reward_funcs: Sequence[Callable],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    columns: Mapping[str, Sequence[Any]] | None = None,
+    row_names: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """``[N, F]`` rewards: ``reward_funcs[f](prompts, completions, **columns)`` for the N completions.
+
+    ``columns`` holds the prompts' other dataset columns, one entry per completion. A function that raises is called
+    again row by row to name the first row it fails on; one that returns the wrong number of rewards, or a reward
+    that is not a finite number, is named with that row. ``row_names`` say what each row is (e.g. "row 17 of the
+    prompts dataset"). The error is a :class:`RewardFunctionError` (a user error: one message, exit code 2).
+    """
+    columns = dict(columns or {})
+    n = len(completions)
+    names = list(row_names) if row_names is not None else [f"completion {i}" for i in range(n)]
+    out = torch.zeros(n, len(reward_funcs), dtype=torch.float64)
+    for f, func in enumerate(reward_funcs):
+        name = get_reward_name(func)
+        try:
+            rewards = func(list(prompts), list(completions), **columns)
+        except Exception as err:
+            row = _first_failing_row(func, prompts, completions, columns)
+            where = f" on {names[row]} (prompt {_short(prompts[row])})" if row is not None else ""
+            raise RewardFunctionError(
+                f"reward function '{name}' raised {type(err).__name__}: {err}{where}. Fix the function or the row."
+            ) from err
+        try:
+            rewards = [float(r) for r in rewards]
+        except (TypeError, ValueError) as err:
+            raise RewardFunctionError(
+                f"reward function '{name}' must return a list of floats, one per completion; got {_short(rewards)}."
+            ) from err
+        if len(rewards) != n:
+            raise RewardFunctionError(
+                f"reward function '{name}' returned {len(rewards)} rewards for {n} completions: it must return one "
+                "per completion, in order."
+            )
+        for i, r in enumerate(rewards):
+            if not math.isfinite(r):
+                raise RewardFunctionError(
+                    f"reward function '{name}' returned {r} for {names[i]} (prompt {_short(prompts[i])}, completion "
+                    f"{_short(completions[i])}): every reward must be a finite number."
+                )
+        out[:, f] = torch.tensor(rewards, dtype=torch.float64)
+    return out
+
+
+def _first_failing_row(func, prompts, completions, columns) -> int | None:
+    for i in range(len(completions)):
+        try:
+            func([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in columns.items()})
+        except Exception:
+            return i
+    return None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+    """Group-relative advantages of rewards ``[N]`` whose consecutive blocks of ``num_generations`` share a prompt.
+
+    ``A_i = r_i - mean(r of i's group)``; with ``scale_rewards="group"`` divided by ``std(group) + 1e-4``, with
+    ``"batch"`` by ``std(all N) + 1e-4`` (sample std, as TRL), ``"none"``: not scaled (Dr. GRPO). A group whose
+    rewards are all equal has advantages 0: nothing to learn from it.
+
+    >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0]), 2, "none")
+    tensor([ 0.5000, -0.5000,  0.0000,  0.0000])
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale_rewards!r}: use one of {list(SCALE_REWARDS)}.")
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not form groups of num_generations={num_generations}")
+    groups = rewards.view(-1, num_generations)
+    advantages = (groups - groups.mean(-1, keepdim=True)).flatten()
+    if scale_rewards == "group" and num_generations > 1:
+        advantages = advantages / (groups.std(-1).repeat_interleave(num_generations) + 1e-4)
+    elif scale_rewards == "batch" and rewards.numel() > 1:
+        advantages = advantages / (rewards.std() + 1e-4)
+    return advantages
+
+
+def build_rollout_rows(
+    prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], advantages: Sequence[float]
+) -> list[dict[str, Any]]:
+    """Rows for :class:`hfacc.PolicyGradientObjective`: prompt + completion, labels -100 on the prompt.
+
+    >>> build_rollout_rows([[5, 6]], [[7, 2]], [0.5])
+    [{'input_ids': [5, 6, 7, 2], 'labels': [-100, -100, 7, 2], 'advantages': 0.5}]
+    """
+    return [
+        {"input_ids": list(p) + list(c), "labels": [IGNORE_INDEX] * len(p) + list(c), "advantages": float(a)}
+        for p, c, a in zip(prompt_ids, completion_ids, advantages, strict=True)
+    ]
+
+
+@dataclass
+class Rollout:
+    """One generation batch of one rank: its rows and what was measured on the way.
+
+    Args:
+        rows: one per completion (:func:`build_rollout_rows`), prompt by prompt, ``num_generations`` each.
+        rewards: ``[N, F]`` per reward function (unweighted); ``total`` ``[N]`` the weighted sum.
+        completion_lengths: tokens per completion (EOS included); ``truncated``: without EOS.
+        seconds: wall time of the generation alone (sampling, not scoring).
+    """
+
+    rows: list[dict[str, Any]]
+    rewards: torch.Tensor
+    total: torch.Tensor
+    completion_lengths: list[int]
+    truncated: list[bool]
+    num_generations: int
+    seconds: float
+    completions: list[Any] = field(default_factory=list)
+
+
+def build_rollout(
+    model: nn.Module,
+    tokenizer,
+    prompt_rows: Sequence[Mapping[str, Any]],
+    reward_funcs: Sequence[Callable],
+    *,
+    num_generations: int,
+    settings: SamplingSettings,
+    reward_weights: Sequence[float] | None = None,
+    scale_rewards: str = "group",
+    max_prompt_length: int | None = None,
+    row_names: Sequence[str] | None = None,
+) -> Rollout:
+    """Sample ``num_generations`` completions for each prompt row (a ``"prompt"`` column: text or messages), score
+    them and give each its group advantage: steps 1-5 of the module docstring.
+
+    Reward functions get the prompts and completions as the dataset holds them (chat prompts: completions as
+    ``[{"role": "assistant", "content": text}]``, as TRL passes them) and every other column of the prompt rows.
+    """
+    prompts, columns, ids, names = [], {}, [], []
+    for j, row in enumerate(prompt_rows):
+        if "prompt" not in row:
+            raise DataError(f"{_row_name(row_names, j)} has no 'prompt' field (text or chat messages).")
+        prompt_ids = get_prompt_ids(tokenizer, row["prompt"], max_prompt_length)
+        for _ in range(num_generations):
+            prompts.append(row["prompt"])
+            ids.append(prompt_ids)
+            names.append(_row_name(row_names, j))
+            for key, value in row.items():
+                if key != "prompt":
+                    columns.setdefault(key, []).append(value)
+    start = time.perf_counter()
+    completion_ids, truncated = sample_completions(model, tokenizer, ids, settings)
+    seconds = time.perf_counter() - start
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    completions = [
+        [{"role": "assistant", "content": text}] if is_conversational(p) else text
+        for p, text in zip(prompts, texts, strict=True)
+    ]
+    rewards = score_completions(reward_funcs, prompts, completions, columns, names)
+    weights = torch.ones(len(reward_funcs), dtype=torch.float64)
+    if reward_weights is not None:
+        weights = torch.tensor(list(reward_weights), dtype=torch.float64)
+    total = rewards @ weights
+    advantages = group_advantages(total, num_generations, scale_rewards)
+    return Rollout(
+        rows=build_rollout_rows(ids, completion_ids, advantages.tolist()),
+        rewards=rewards,
+        total=total,
+        completion_lengths=[len(c) for c in completion_ids],
+        truncated=truncated,
+        num_generations=num_generations,
+        seconds=seconds,
+        completions=completions,
+    )
+
+
+def _row_name(row_names: Sequence[str] | None, j: int) -> str:
+    return row_names[j] if row_names is not None else f"prompt row {j}"
+
+
+__all__ = [
+    "RewardFunctionError",
+    "SamplingSettings",
+    "Rollout",
+    "build_rollout",
+    "build_rollout_rows",
+    "get_prompt_ids",
+    "get_reward_name",
+    "group_advantages",
+    "is_conversational",
+    "sample_completions",
+    "score_completions",
+]

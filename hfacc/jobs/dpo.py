@@ -1,0 +1,470 @@
+"""Preference optimization (DPO and its variants) with exact accumulation per pair: the job of ``hfacc dpo``.
+
+    hfacc dpo                                                # embedded default: offline, CPU, under 4 minutes
+    accelerate launch recipes/dpo.py                         # the same job, as a recipe script
+    accelerate launch recipes/dpo.py --model_name_or_path my-sft-model --dataset_name pairs.jsonl --loss_type ipo
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/dpo.py   # two processes
+
+With neither --config nor --model_name_or_path, recipes/configs/dpo_tiny_default.yaml supplies the defaults. The
+run starts from the SFT recipe's output (outputs/sft-tiny, written by `accelerate launch recipes/sft.py`) if it is
+there, else runs a short SFT itself; builds preference pairs from the embedded tasks (chosen: the right answer;
+rejected: the model's own wrong greedy answer, or a plausible wrong one where it answered right); trains with the
+DPO objective; and prints the held-out reward accuracy and exact match before -> after. Rows of a dataset given with
+--dataset_name have TRL's columns (prompt, chosen, rejected; see hfacc.build_preference_dataset). Writes the model,
+tokenizer, metrics.json and loss_curve.png to --output_dir; user errors end in one message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from transformers import set_seed
+
+from ..data.preference import (
+    PREFERENCE_TRUNCATIONS,
+    DataCollatorForPreference,
+    build_preference_dataset,
+    load_preference_source,
+)
+from ..generation.evaluation import exact_match_by_group, exact_match_on_conversations, generate_answers
+from ..models.loading import ModelArguments, get_tokenizer, load_causal_lm, load_model_and_tokenizer
+from ..models.reference import precompute_reference_logps
+from ..objectives.preference import LOSS_TYPES, DPOObjective
+from ..runtime.config import ConfigError, get_default_config, parse_args
+from ..training.arguments import TokenWeightedArguments
+from ..training.checkpoint import resolve_checkpoint
+from ..training.trainer import TokenWeightedTrainer
+from .console import run_recipe, setup_console, use_console, write
+from .report import save_loss_curve, write_json
+
+logger = logging.getLogger(__name__)
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+DEFAULT_CONFIG = RECIPES / "configs" / "dpo_tiny_default.yaml"
+SFT_DEFAULT_CONFIG = RECIPES / "configs" / "tiny_default.yaml"
+
+
+@dataclass
+class DPOArguments:
+    """The preference objective and the job's own settings (TRL's names where TRL has them)."""
+
+    beta: float = field(default=0.1, metadata={"help": "The loss's temperature (DPO's beta; IPO's tau)."})
+    loss_type: str = field(
+        default="sigmoid",
+        metadata={
+            "help": "Preference loss: sigmoid (DPO), ipo, hinge, robust, simpo (reference-free).",
+            "choices": list(LOSS_TYPES),
+        },
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={"help": "sigmoid: conservative DPO's eps; robust: probability of a flipped label (< 0.5); simpo."},
+    )
+    nll_weight: float = field(
+        default=0.0,
+        metadata={"help": "Weight of the chosen answers' cross-entropy (per chosen token of the window; RPO style)."},
+    )
+    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO's target reward margin gamma."})
+    ref_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "The reference model. None: a frozen copy of the policy as training starts (PEFT: its base)."
+        },
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the reference log-probs of every pair once before training (a progress bar), so "
+            "no reference model is held while training."
+        },
+    )
+    precompute_ref_batch_size: int = field(default=16, metadata={"help": "Pairs per batch of that precomputation."})
+    sft_model_dir: str = field(
+        default="outputs/sft-tiny",
+        metadata={
+            "help": "Embedded default: start from the SFT recipe's output here; if it is missing, run a short "
+            "SFT first."
+        },
+    )
+    sft_max_steps: int = field(default=200, metadata={"help": "Embedded default: optimizer steps of that short SFT."})
+    sft_num_examples: int = field(
+        default=7200, metadata={"help": "Embedded default: conversations of that short SFT."}
+    )
+    num_embedded_pairs: int = field(
+        default=1600, metadata={"help": "Embedded default: pairs built (train + held out)."}
+    )
+    num_exact_match_examples: int = field(
+        default=200, metadata={"help": "Held-out prompts answered greedily before and after training (0: skip)."}
+    )
+    max_new_tokens: int = field(default=40, metadata={"help": "Longest generated answer (pairs and exact match)."})
+    max_length: int | None = field(default=1024, metadata={"help": "Longest sequence (prompt and answer) in tokens."})
+    truncation: str = field(
+        default="right",
+        metadata={
+            "help": "Longer sequences: 'right' cuts the answer's end, 'left' the prompt's start, 'drop', 'error'.",
+            "choices": list(PREFERENCE_TRUNCATIONS),
+        },
+    )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Preference data (prompt/chosen/rejected): hub dataset, local .json/.jsonl/.csv/.parquet "
+            "file or save_to_disk directory. None: pairs built from the embedded tasks."
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_eval_split: str | None = field(
+        default=None, metadata={"help": "Split to evaluate on. None: hold out eval_fraction of the training split."}
+    )
+    eval_fraction: float = field(default=0.1, metadata={"help": "Share held out for evaluation (no eval split)."})
+    max_examples: int | None = field(default=None, metadata={"help": "Use at most this many training pairs."})
+    torch_threads: int = field(
+        default=0,
+        metadata={
+            "help": "CPU threads for torch (0: torch's default). Tiny models on a few, or shared, cores train "
+            "faster on one: synchronizing threads costs more than they compute."
+        },
+    )
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r}: use one of {list(LOSS_TYPES)}.")
+        if not self.beta > 0:
+            raise ValueError(f"beta={self.beta}: it must be > 0.")
+        if self.nll_weight < 0:
+            raise ValueError(f"nll_weight={self.nll_weight}: it must be >= 0 (0: no NLL term).")
+        if self.truncation not in PREFERENCE_TRUNCATIONS:
+            raise ValueError(f"truncation={self.truncation!r}: use one of {list(PREFERENCE_TRUNCATIONS)}.")
+        if self.loss_type == "simpo" and (self.ref_model_name_or_path or self.precompute_ref_log_probs):
+            raise ValueError(
+                "loss_type='simpo' is reference-free: drop ref_model_name_or_path / precompute_ref_log_probs."
+            )
+        if self.num_embedded_pairs < 20:
+            raise ValueError(f"num_embedded_pairs={self.num_embedded_pairs}: it must be >= 20.")
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction={self.eval_fraction}: it must be between 0 and 1.")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads={self.torch_threads}: it must be >= 0 (0: torch's default).")
+
+
+def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeightedArguments):
+    start = time.perf_counter()
+    if dpo_args.torch_threads:
+        torch.set_num_threads(dpo_args.torch_threads)  # the short SFT, pair building and DPO all run in this process
+    setup_console(args)
+    set_seed(args.seed)
+    if args.label_smoothing_factor:  # the objective reads --label_smoothing (TRL's DPOConfig name): never both
+        raise ConfigError(
+            f"label_smoothing_factor={args.label_smoothing_factor} is transformers' cross-entropy smoothing, which "
+            "the DPO job does not read; set --label_smoothing (conservative DPO's eps, robust's flip rate) instead."
+        )
+    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+    embedded = model_args.model_name_or_path is None
+    if embedded:
+        model, tokenizer, started_from = load_sft_start(dpo_args, model_args, args)
+    else:
+        model, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
+        started_from = model_args.model_name_or_path
+    if dpo_args.dataset_name is None:
+        if not embedded:
+            raise ConfigError(
+                "--dataset_name is needed with --model_name_or_path (pairs of prompt, chosen, rejected)."
+            )
+        with args.main_process_first(desc="building preference pairs"):
+            raw_train, raw_eval, held_out = build_embedded_pairs(model, tokenizer, dpo_args, seed=args.seed)
+    else:
+        raw_train, raw_eval = load_preference_source(
+            dpo_args.dataset_name,
+            config=dpo_args.dataset_config,
+            split=dpo_args.dataset_train_split,
+            eval_split=dpo_args.dataset_eval_split,
+            eval_fraction=dpo_args.eval_fraction,
+            max_examples=dpo_args.max_examples,
+            seed=args.seed,
+        )
+        held_out = conversations_of(raw_eval)
+    options = dict(max_length=dpo_args.max_length, truncation=dpo_args.truncation)
+    with args.main_process_first(desc="dataset tokenization"):
+        train_ds = build_preference_dataset(raw_train, tokenizer, **options)
+        eval_ds = build_preference_dataset(raw_eval, tokenizer, **options)
+    ref_model = None
+    if dpo_args.ref_model_name_or_path:
+        ref_model = load_causal_lm(dpo_args.ref_model_name_or_path, dtype=model_args.dtype)
+    if dpo_args.precompute_ref_log_probs:
+        reference = ref_model if ref_model is not None else model  # the policy before training: the reference
+        pad = tokenizer.pad_token_id
+        size = dpo_args.precompute_ref_batch_size
+        train_ds = precompute_reference_logps(
+            train_ds, reference, pad_token_id=pad, batch_size=size, device=args.device
+        )
+        eval_ds = precompute_reference_logps(eval_ds, reference, pad_token_id=pad, batch_size=size, device=args.device)
+        ref_model = None
+    objective = DPOObjective(
+        beta=dpo_args.beta,
+        loss_type=dpo_args.loss_type,
+        label_smoothing=dpo_args.label_smoothing,
+        nll_weight=dpo_args.nll_weight,
+        ref_model=ref_model,
+        gamma=dpo_args.simpo_gamma,
+    )
+    trainer = TokenWeightedTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        data_collator=DataCollatorForPreference(tokenizer.pad_token_id),
+        processing_class=tokenizer,
+        objective=objective,
+    )
+    use_console(trainer)
+    if trainer.is_world_process_zero():
+        write(
+            f"model  {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, from {started_from}"
+        )
+        write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out pairs")
+        micro = (
+            f"up to {args.max_tokens_per_batch:,} tokens"
+            if args.max_tokens_per_batch
+            else f"{args.per_device_train_batch_size} pairs"
+        )
+        write(f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)")
+        write(
+            f"loss   {dpo_args.loss_type}, beta {dpo_args.beta}"
+            + (f", nll_weight {dpo_args.nll_weight}" if dpo_args.nll_weight else "")
+        )
+    conversations = held_out[: dpo_args.num_exact_match_examples]
+    exact_before = exact_match(trainer, tokenizer, conversations, dpo_args, "before training")
+    before = trainer.evaluate()
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    step = trainer.state.global_step
+    final = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] == step and step > 0]
+    after = final[-1] if final else trainer.evaluate()
+    exact_after = exact_match(trainer, tokenizer, conversations, dpo_args, "after training")
+    trainer.save_model()
+    metrics = {
+        "train": train_result.metrics,
+        "started_from": str(started_from),
+        "loss_type": dpo_args.loss_type,
+        "eval_loss_before": before["eval_loss"],
+        "eval_loss_after": after["eval_loss"],
+        "reward_accuracy_before": before.get("eval_rewards/accuracies"),
+        "reward_accuracy_after": after.get("eval_rewards/accuracies"),
+        "reward_margin_after": after.get("eval_rewards/margins"),
+        "steps": step,
+        "world_size": args.world_size,
+    }
+    if trainer.is_world_process_zero():
+        if exact_before is not None:
+            metrics["exact_match_before"], metrics["exact_match_after"] = exact_before[0], exact_after[0]
+            metrics["exact_match_by_task_after"] = exact_after[2]
+            metrics["samples"] = exact_after[1]
+        metrics["wall_time_s"] = round(time.perf_counter() - start, 1)
+        write_json(metrics, Path(args.output_dir) / "metrics.json")
+        save_loss_curve(
+            trainer.state.log_history,
+            Path(args.output_dir) / "loss_curve.png",
+            title=f"hfacc DPO ({dpo_args.loss_type})",
+            ylabel="preference loss per pair",
+        )
+        write(format_summary(metrics, args.output_dir))
+    return metrics
+
+
+def exact_match(trainer, tokenizer, conversations, dpo_args, when: str):
+    """``(score, samples, by task)`` of greedy answers to held-out ``conversations`` (rank 0 only; None: skipped)."""
+    if not conversations or not trainer.is_world_process_zero():
+        return None
+    write(f"exact match {when}: answering {len(conversations)} held-out prompts greedily")
+    score, samples = exact_match_on_conversations(
+        trainer.model, tokenizer, [c["messages"] for c in conversations], max_new_tokens=dpo_args.max_new_tokens
+    )
+    tasks = [c.get("task") or "all" for c in conversations]
+    rows = [
+        {"prompt": p[-1]["content"], "reference": r, "answer": a, "task": t}
+        for (p, r, a), t in zip(samples, tasks, strict=True)
+    ]
+    return score, rows, exact_match_by_group(tasks, samples)
+
+
+def format_summary(metrics: dict, output_dir: str) -> str:
+    lines = [
+        "",
+        "=== hfacc DPO summary ===",
+        f"started from         {metrics['started_from']}",
+        f"optimizer steps      {metrics['steps']}  (world size {metrics['world_size']}, loss {metrics['loss_type']})",
+        f"eval loss            {metrics['eval_loss_before']:.3f} -> {metrics['eval_loss_after']:.3f}",
+    ]
+    if metrics.get("reward_accuracy_after") is not None:
+        lines.append(
+            f"reward accuracy      {metrics['reward_accuracy_before']:.3f} -> {metrics['reward_accuracy_after']:.3f}"
+            f"  (held-out pairs; margin {metrics['reward_margin_after']:.3f})"
+        )
+    if "exact_match_before" in metrics:
+        lines.append(
+            f"exact match          {metrics['exact_match_before']:.3f} -> {metrics['exact_match_after']:.3f} on "
+            f"{len(metrics['samples'])} held-out prompts"
+        )
+        by_task = sorted(metrics["exact_match_by_task_after"].items(), key=lambda kv: -kv[1])
+        if by_task and by_task != [("all", metrics["exact_match_after"])]:
+            lines.append("  by task: " + ", ".join(f"{task} {score:.2f}" for task, score in by_task))
+    lines += [f"wall time            {metrics['wall_time_s']} s", f"outputs              {output_dir}", ""]
+    return "\n".join(lines)
+
+
+# ---- the embedded default: an SFT start and pairs from its own answers -----------------------------------------
+def load_sft_start(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeightedArguments):
+    """``(model, tokenizer, where from)``: the SFT recipe's output if it is there, else a short SFT run now."""
+    directory = Path(dpo_args.sft_model_dir)
+    if not (directory / "model.safetensors").is_file():
+        directory = Path(args.output_dir) / "sft"
+        if args.process_index == 0:
+            write(f"no SFT model at {dpo_args.sft_model_dir}: a short SFT first ({dpo_args.sft_max_steps} steps)")
+        run_short_sft(dpo_args, model_args, args, directory)
+        PartialState().wait_for_everyone()  # rank 0 writes the model; the others read it next
+    model, tokenizer = load_causal_lm(str(directory), dtype="float32"), get_tokenizer(str(directory))
+    return model, tokenizer, str(directory)
+
+
+def run_short_sft(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeightedArguments, directory: Path):
+    """The SFT recipe's embedded default (recipes/configs/tiny_default.yaml), shortened to ``sft_max_steps``."""
+    from ..data.sft import DataArguments
+    from .sft import SFT_ARGUMENTS
+    from .sft import main as sft_main
+
+    overrides = [
+        "--output_dir", str(directory), "--max_steps", str(dpo_args.sft_max_steps), "--save_strategy", "no",
+        "--eval_strategy", "no", "--num_exact_match_examples", "0", "--seed", str(args.seed),
+        "--embedded_hidden_size", str(model_args.embedded_hidden_size),
+        "--embedded_num_layers", str(model_args.embedded_num_layers), "--log_level", args.log_level,
+        "--disable_tqdm", str(args.disable_tqdm), "--warmup_steps", str(min(50, dpo_args.sft_max_steps // 5)),
+        "--use_cpu", str(args.use_cpu), "--num_embedded_examples", str(dpo_args.sft_num_examples),
+    ]  # fmt: skip
+    settings = parse_args(SFT_ARGUMENTS, overrides, default_config=SFT_DEFAULT_CONFIG)
+    assert isinstance(settings[2], DataArguments)
+    sft_main(*settings)
+
+
+def plausible_wrong_answer(answer: str, task: str, rng: random.Random) -> str:
+    """A near miss of ``answer``: the last number off by one for sums, else one word dropped or two letters swapped.
+
+    >>> plausible_wrong_answer("9 + 4 = 13", "arithmetic", random.Random(0))
+    '9 + 4 = 14'
+    """
+    words = answer.split(" ")
+    if task == "arithmetic" and words[-1].lstrip("-").isdigit():
+        return " ".join(words[:-1] + [str(int(words[-1]) + rng.choice((-1, 1)))])
+    if len(words) > 1:
+        del words[rng.randrange(len(words))]
+        return " ".join(words)
+    if len(answer) > 1:
+        i = rng.randrange(len(answer) - 1)
+        swapped = answer[:i] + answer[i + 1] + answer[i] + answer[i + 2 :]
+        if swapped != answer:
+            return swapped
+    return answer + answer[-1:]
+
+
+def build_embedded_pairs(model, tokenizer, dpo_args: DPOArguments, seed: int = 0):
+    """``(train rows, eval rows, held-out conversations)`` of preference pairs from the embedded tasks.
+
+    Prompts come from the embedded instruction data (seeded apart from the SFT recipe's); the chosen answer is the
+    right one, the rejected one the model's own greedy answer where it is wrong, else a plausible wrong one
+    (:func:`plausible_wrong_answer`). The held-out conversations are the eval pairs' prompts, for exact match.
+    """
+    import datasets
+
+    from ..data.embedded import generate_instruction_examples
+
+    examples = generate_instruction_examples(dpo_args.num_embedded_pairs, seed=seed + 1)
+    prompts = [e["messages"][:-1] for e in examples]
+    answers = generate_answers(model, tokenizer, prompts, max_new_tokens=dpo_args.max_new_tokens, batch_size=64)
+    rng = random.Random(seed)
+    rows, own = [], 0
+    for example, prompt, answer in zip(examples, prompts, answers, strict=True):
+        right = example["messages"][-1]["content"]
+        wrong = answer if answer and answer != right else plausible_wrong_answer(right, example["task"], rng)
+        own += wrong == answer
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": right}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+                "task": example["task"],
+            }
+        )
+    held = max(1, int(len(rows) * dpo_args.eval_fraction))
+    train, evaluation = rows[held:], rows[:held]
+    logger.info(
+        "hfacc: %d preference pairs from the embedded tasks; %d rejected answers are the model's own wrong ones.",
+        len(rows),
+        own,
+    )
+    held_out = [{"messages": r["prompt"] + r["chosen"], "task": r["task"]} for r in evaluation]
+    return datasets.Dataset.from_list(train), datasets.Dataset.from_list(evaluation), held_out
+
+
+def build_example_pairs(data_args, tokenizer, count: int, seed: int = 0):
+    """``count`` tokenized pairs for ``hfacc verify --objective dpo``: the first rows of ``data_args.dataset_name``
+    (prompt/chosen/rejected), or pairs of the embedded tasks (the right answer against a plausible wrong one)."""
+    import datasets
+
+    options = dict(max_length=data_args.max_length)
+    if data_args.dataset_name is not None:
+        raw, _ = load_preference_source(
+            data_args.dataset_name,
+            config=data_args.dataset_config,
+            split=data_args.dataset_train_split,
+            eval_fraction=0.5,
+            seed=seed,
+            max_examples=2 * count,
+        )
+        return build_preference_dataset(raw.select(range(min(count, len(raw)))), tokenizer, **options)
+    from ..data.embedded import generate_instruction_examples
+
+    rng = random.Random(seed)
+    rows = []
+    for example in generate_instruction_examples(count, seed=seed):
+        right = example["messages"][-1]["content"]
+        wrong = plausible_wrong_answer(right, example["task"], rng)
+        rows.append(
+            {
+                "prompt": example["messages"][:-1],
+                "chosen": [{"role": "assistant", "content": right}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            }
+        )
+    return build_preference_dataset(datasets.Dataset.from_list(rows), tokenizer, **options)
+
+
+def conversations_of(raw_eval) -> list[dict]:
+    """Held-out conversations for exact match from conversational pairs (prompt + chosen); none for text pairs."""
+    out = []
+    for row in raw_eval:
+        prompt, chosen = row.get("prompt"), row.get("chosen")
+        if isinstance(prompt, list) and isinstance(chosen, list) and len(chosen) == 1:
+            out.append({"messages": list(prompt) + list(chosen), "task": row.get("task")})
+    return out
+
+
+def default_config(argv: Sequence[str]) -> Path | None:
+    """The tiny default YAML applies only when the user names neither a config nor a model."""
+    return get_default_config(argv, DEFAULT_CONFIG)
+
+
+# The job's settings: `hfacc dpo` and recipes/dpo.py read them.
+DPO_ARGUMENTS = (DPOArguments, ModelArguments, TokenWeightedArguments)
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc dpo`` and ``recipes/dpo.py``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_recipe(main, DPO_ARGUMENTS, default_config(argv), argv=argv)

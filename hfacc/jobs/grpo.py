@@ -1,0 +1,317 @@
+"""Online RL (GRPO, DAPO, Dr. GRPO) with exact accumulation: the job of ``hfacc grpo`` and ``recipes/grpo.py``.
+
+    hfacc grpo                                   # embedded default: offline, CPU, about 5 minutes on 2 cores
+    accelerate launch recipes/grpo.py            # the same job, as a recipe script
+    accelerate launch --config_file accelerate_configs/ddp.yaml recipes/grpo.py   # two processes
+
+With neither --config nor --model_name_or_path, recipes/configs/tiny_grpo.yaml supplies the defaults: the policy is
+the SFT recipe's output (outputs/sft-tiny) when it exists, else a short SFT run first; the prompts are the embedded
+tasks; the reward is the correctness of the answer (exact match, plus partial credit by similarity). It prints the
+held-out reward and exact match before -> after, and writes the model, tokenizer, metrics.json and
+reward_curve.png to --output_dir. Any setting can be given on the command line; a user error ends in one message
+and exit code 2 (`--debug` or HFACC_DEBUG=1: with its traceback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import set_seed
+
+from ..data.formats import DataError
+from ..generation.evaluation import exact_match_by_group, generate_answers
+from ..generation.rewards import get_reward_funcs
+from ..generation.rollout import SamplingSettings, build_rollout, is_conversational
+from ..models.loading import ModelArguments, load_model_and_tokenizer
+from ..runtime.config import get_default_config, parse_args
+from ..training.grpo_trainer import GRPOArguments, GRPOTrainer, check_reward_weights
+from .console import run_recipe, setup_console, use_console, write
+from .report import save_reward_curve, write_json
+
+# The shipped configs live with the recipes; this module runs from a clone of the repository or an editable install.
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "tiny_grpo.yaml"
+
+
+@dataclass
+class GRPOJobArguments:
+    """Settings of the GRPO job beyond the model and the trainer (:class:`hfacc.GRPOArguments`)."""
+
+    sft_output_dir: str = field(
+        default="outputs/sft-tiny",
+        metadata={
+            "help": "Without --model_name_or_path: start from this SFT recipe output if it exists; otherwise a short "
+            "SFT (sft_max_steps) runs first, into OUTPUT_DIR/sft."
+        },
+    )
+    sft_max_steps: int = field(default=320, metadata={"help": "Optimizer steps of that short SFT."})
+    sft_num_examples: int | None = field(
+        default=None, metadata={"help": "Embedded conversations the short SFT tokenizes (None: the SFT recipe's)."}
+    )
+    dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Prompts: a local .json/.jsonl/.csv/.parquet file, save_to_disk directory or hub dataset with a "
+            "'prompt' column (text or chat messages) and the columns the rewards read ('answer'). None: the "
+            "embedded tasks."
+        },
+    )
+    dataset_train_split: str = field(default="train", metadata={"help": "Split of dataset_name to train on."})
+    num_train_prompts: int = field(default=1024, metadata={"help": "Prompts to train on (at most)."})
+    num_eval_prompts: int = field(
+        default=200, metadata={"help": "Held-out prompts scored before and after, sampled and greedily (0: skip)."}
+    )
+    tasks: list[str] | None = field(
+        default=None, metadata={"help": "Embedded tasks to train and evaluate on (None: all six)."}
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["correctness"],
+        metadata={"help": "Reward functions: built-in 'correctness', 'similarity', or 'module:function'."},
+    )
+
+    def __post_init__(self):
+        if self.sft_max_steps < 1:
+            raise ValueError(f"sft_max_steps={self.sft_max_steps}: it must be >= 1.")
+        if self.num_train_prompts < 1 or self.num_eval_prompts < 0:
+            raise ValueError("num_train_prompts must be >= 1 and num_eval_prompts >= 0.")
+        if self.tasks is not None:
+            from ..data.embedded import TASKS
+
+            unknown = sorted(set(self.tasks) - set(TASKS))
+            if unknown:
+                raise ValueError(f"tasks: unknown {unknown}; the embedded tasks are {sorted(TASKS)}.")
+
+
+def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments) -> dict[str, Any]:
+    start = time.perf_counter()
+    setup_console(args)
+    set_seed(args.seed)
+    funcs = get_reward_funcs(job.reward_funcs)  # a bad name or weight is an error now, not after a short SFT
+    check_reward_weights(args.reward_weights, funcs)
+    model, tokenizer, source = load_policy(job, model_args, args)
+    train_prompts, eval_prompts = build_prompts(job, args.seed)
+    main_process = args.process_index == 0
+    before = evaluate_policy(model, tokenizer, eval_prompts, funcs, args) if main_process else None
+    trainer = GRPOTrainer(model, funcs, args, train_dataset=train_prompts, processing_class=tokenizer)
+    use_console(trainer)
+    if main_process:
+        per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        write(
+            f"policy {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {source}"
+        )
+        write(
+            f"data   {len(train_prompts):,} prompts / {len(eval_prompts):,} held out; rewards {', '.join(job.reward_funcs)}"
+        )
+        write(
+            f"batch  {per_step} completions per step ({args.num_generations} per prompt) x {args.world_size} "
+            f"process(es); loss_type {args.loss_type!r}"
+        )
+        if before is not None:
+            em = f"  exact match {before['exact_match']:.3f}" if "exact_match" in before else ""
+            write(f"eval   before: reward {before['reward']:.3f}{em}  ({len(eval_prompts)} held-out prompts)")
+    result = trainer.train()
+    after = evaluate_policy(trainer.model, tokenizer, eval_prompts, funcs, args) if main_process else None
+    trainer.save_model()
+    history = trainer.state.log_history
+    rewards = [h["reward"] for h in history if "reward" in h]
+    metrics = {
+        "train": result.metrics,
+        "steps": trainer.state.global_step,
+        "world_size": args.world_size,
+        "policy": source,
+        "train_reward_first": rewards[0] if rewards else None,
+        "train_reward_last": rewards[-1] if rewards else None,
+        # The whole run's, not the logged intervals' sum (steps after the last logging step count too): generation
+        # on this process, training the rest of train()'s runtime.
+        "generation_time_s": round(trainer.generation_seconds, 3),
+        "training_time_s": round(result.metrics["train_runtime"] - trainer.generation_seconds, 3),
+    }
+    if main_process:
+        if before is not None:
+            metrics["before"], metrics["after"] = before, after
+        metrics["wall_time_s"] = round(time.perf_counter() - start, 1)
+        write_json(metrics, Path(args.output_dir) / "metrics.json")
+        save_reward_curve(history, Path(args.output_dir) / "reward_curve.png")
+        write(format_summary(metrics, args.output_dir))
+    return metrics
+
+
+def load_policy(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments):
+    """``(model, tokenizer, where from)``: the model named, the SFT recipe's output, or a short SFT run here."""
+    if model_args.model_name_or_path is None:
+        sft_dir = Path(job.sft_output_dir)
+        if (sft_dir / "config.json").is_file():
+            source = f"from {sft_dir}"
+        else:
+            sft_dir = Path(args.output_dir) / "sft"
+            source = f"a short SFT of {job.sft_max_steps} steps (no {job.sft_output_dir})"
+            if args.process_index == 0:
+                write(f"no SFT model at {job.sft_output_dir} (recipes/sft.py makes one): a short SFT first")
+            run_short_sft(sft_dir, job.sft_max_steps, args, job.sft_num_examples, model_args)
+        model_args = dataclasses.replace(model_args, model_name_or_path=str(sft_dir))
+    else:
+        source = f"from {model_args.model_name_or_path}"
+    model, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer, source
+
+
+def run_short_sft(
+    output_dir: Path, steps: int, args: GRPOArguments, num_examples: int | None = None, model_args=None
+) -> None:
+    """The SFT recipe's job, cut to ``steps`` optimizer steps (its cosine schedule included), saved to ``output_dir``;
+    the embedded model sized by ``model_args`` (``--embedded_hidden_size``, ``--embedded_num_layers``)."""
+    from .sft import DEFAULT_CONFIG as SFT_CONFIG
+    from .sft import SFT_ARGUMENTS
+    from .sft import main as sft_main
+
+    argv = [
+        "--config", str(SFT_CONFIG), "--output_dir", str(output_dir), "--max_steps", str(steps),
+        "--warmup_steps", str(min(50, steps // 10)), "--eval_strategy", "no", "--save_strategy", "no",
+        "--num_exact_match_examples", "0", "--logging_steps", "40", "--seed", str(args.seed),
+        "--disable_tqdm", str(args.disable_tqdm), "--log_level", args.log_level,
+    ]  # fmt: skip
+    if num_examples is not None:
+        argv += ["--num_embedded_examples", str(num_examples)]
+    if model_args is not None:
+        argv += ["--embedded_hidden_size", str(model_args.embedded_hidden_size)]
+        argv += ["--embedded_num_layers", str(model_args.embedded_num_layers)]
+    sft_main(*parse_args(SFT_ARGUMENTS, argv))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # every rank loads what rank 0 saved
+
+
+def build_prompts(job: GRPOJobArguments, seed: int):
+    """``(train, held-out)`` prompt datasets: the user's (a 'prompt' column), or the embedded tasks' conversations
+    without their last answer (the 'answer' column, which the correctness reward reads)."""
+    import datasets
+
+    if job.dataset_name is not None:
+        data = _load_prompts(job.dataset_name, job.dataset_train_split)
+        if "prompt" not in data.column_names:
+            raise DataError(f"dataset {job.dataset_name}: no 'prompt' column (it has {data.column_names}).")
+        held = min(job.num_eval_prompts, len(data) // 5)
+        parts = data.train_test_split(test_size=held, seed=seed) if held else {"train": data, "test": data.select([])}
+        train = parts["train"].select(range(min(job.num_train_prompts, len(parts["train"]))))
+        return train, parts["test"]
+    from ..data.embedded import generate_instruction_examples
+
+    def rows(n, data_seed):
+        out, chunk = [], 0
+        while len(out) < n and chunk < 100:  # the tasks asked for, drawn until there are n of them
+            for example in generate_instruction_examples(4 * n, seed=data_seed + 7919 * chunk):
+                if job.tasks is None or example["task"] in job.tasks:
+                    messages = example["messages"]
+                    out.append({"prompt": messages[:-1], "answer": messages[-1]["content"], "task": example["task"]})
+            chunk += 1
+        return out[:n]
+
+    train = datasets.Dataset.from_list(rows(job.num_train_prompts, 1000 + seed))
+    held_out = rows(job.num_eval_prompts, 2000 + seed)
+    return train, datasets.Dataset.from_list(held_out) if held_out else train.select([])
+
+
+def _load_prompts(name: str, split: str):
+    import datasets
+
+    from ..data.sources import LOCAL_FORMATS
+
+    path = Path(name)
+    if path.suffix in LOCAL_FORMATS:
+        if not path.is_file():
+            raise DataError(f"dataset {name}: no such file.")
+        return datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
+    return datasets.load_dataset(name, split=split)
+
+
+def evaluate_policy(model, tokenizer, prompts, funcs, args: GRPOArguments, samples: int = 4) -> dict[str, Any] | None:
+    """The held-out prompts' mean reward over ``samples`` completions each, sampled as training samples them (same
+    temperature, seeded), and the exact match of greedy answers (the SFT recipe's measure)."""
+    if len(prompts) == 0:
+        return None
+    rows = list(prompts)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed + 1)
+        settings = SamplingSettings(args.max_completion_length, args.temperature, args.top_p, args.top_k)
+        rollout = build_rollout(model, tokenizer, rows, funcs, num_generations=samples, settings=settings,
+                                reward_weights=args.reward_weights, max_prompt_length=args.max_prompt_length)  # fmt: skip
+    result = {"reward": rollout.total.mean().item(), "samples_per_prompt": samples}
+    if "answer" in prompts.column_names:
+        conversations = [p if is_conversational(p) else [{"role": "user", "content": p}] for p in prompts["prompt"]]
+        answers = generate_answers(model, tokenizer, conversations, max_new_tokens=args.max_completion_length)
+        pairs = [(None, str(r).strip(), a) for r, a in zip(prompts["answer"], answers, strict=True)]
+        result["exact_match"] = sum(r == a for _, r, a in pairs) / len(pairs)
+        if "task" in prompts.column_names:
+            result["exact_match_by_task"] = exact_match_by_group(prompts["task"], pairs)
+        result["answers"] = [
+            {"prompt": _last_user_turn(p), "reference": r, "answer": a}
+            for p, (_, r, a) in zip(prompts["prompt"], pairs, strict=True)
+        ][:6]
+    return result
+
+
+def _last_user_turn(prompt: Any) -> str:
+    if not is_conversational(prompt):
+        return str(prompt)
+    return next((m["content"] for m in reversed(prompt) if m["role"] == "user"), "")
+
+
+def format_summary(metrics: dict, output_dir: str) -> str:
+    lines = [
+        "",
+        "=== hfacc GRPO summary ===",
+        f"optimizer steps      {metrics['steps']}  (world size {metrics['world_size']})",
+    ]
+    lines.append(f"policy               {metrics['policy']}")
+    if metrics.get("train_reward_first") is not None:
+        lines.append(
+            f"train reward         {metrics['train_reward_first']:.3f} -> {metrics['train_reward_last']:.3f} (sampled)"
+        )
+    before, after = metrics.get("before"), metrics.get("after")
+    if before and after:
+        n = before["samples_per_prompt"]
+        lines.append(
+            f"held-out reward      {before['reward']:.3f} -> {after['reward']:.3f} (mean of {n} samples per prompt)"
+        )
+        if "exact_match" in before:
+            lines.append(f"held-out exact match {before['exact_match']:.3f} -> {after['exact_match']:.3f} (greedy)")
+        by_task = after.get("exact_match_by_task", {})
+        if by_task:
+            was = before.get("exact_match_by_task", {})
+            lines.append(
+                "  by task: " + ", ".join(f"{t} {was.get(t, 0):.2f}->{s:.2f}" for t, s in sorted(by_task.items()))
+            )
+    lines += [
+        f"time                 generation {metrics['generation_time_s']:.1f} s, training {metrics['training_time_s']:.1f} s",
+        f"wall time            {metrics.get('wall_time_s')} s",
+        f"outputs              {output_dir}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def default_config(argv: Sequence[str]) -> Path | None:
+    """The tiny default YAML applies only when the user names neither a config nor a model."""
+    return get_default_config(argv, DEFAULT_CONFIG)
+
+
+GRPO_ARGUMENTS = (GRPOJobArguments, ModelArguments, GRPOArguments)
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc grpo`` and ``recipes/grpo.py``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return run_recipe(main, GRPO_ARGUMENTS, default_config(argv), argv=argv)
+
+
+__all__ = ["GRPOJobArguments", "GRPO_ARGUMENTS", "main", "cli", "default_config", "DEFAULT_CONFIG"]

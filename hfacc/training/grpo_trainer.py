@@ -1,0 +1,478 @@
+"""``GRPOTrainer``: online policy gradients (GRPO, DAPO, Dr. GRPO) as a :class:`TokenWeightedTrainer` that generates.
+
+Online methods wrap the trainer's step, they do not fork it. Here the step is unchanged; what changes is where its
+micro-batches come from. The train dataloader (:class:`RolloutLoader`) draws a batch of prompts, samples
+``num_generations`` completions for each with the policy, scores them with the reward functions and gives each its
+group advantage (:mod:`hfacc.generation.rollout`), then yields the rollout as ``steps_per_generation`` micro-batches of
+``per_device_train_batch_size`` completions, ``num_iterations`` times over. The Trainer draws each optimizer step's
+``gradient_accumulation_steps`` micro-batches from it as from any dataloader, and the window counts what *that* step
+consumes (completion tokens and completions, over all ranks) before its first backward: the normalizer of every loss
+type is the step's own, whether a generation serves one optimizer step or several. The loss is
+:class:`hfacc.PolicyGradientObjective`'s, through the same window, layout (padding-free) and chunked log-probs as
+every other objective.
+
+When a micro-batch is trained after an optimizer step that followed its generation (``steps_per_generation`` or
+``num_iterations`` such that a generation does not fit in one step), the rows carry ``old_logps``: the log-probs of
+the policy that sampled them, taken right after sampling, before the first pass. Otherwise the ratio is 1 and none
+are needed (TRL's rule).
+
+Each rank samples the completions of its own prompts (a prompt's group never spans ranks), so advantages need no
+communication; the logged rewards, lengths and clip ratios are sums over all ranks and the logging interval, each
+over its own unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import TrainingArguments
+
+from ..data.collator import DataCollatorForCausalLM
+from ..generation.rollout import SCALE_REWARDS, Rollout, SamplingSettings, build_rollout, get_reward_name
+from ..objectives.policy_gradient import LOSS_TYPE_ALIASES, LOSS_TYPES, PolicyGradientObjective
+from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
+from ..ops.loss import shift_labels
+from ..runtime.config import ConfigError
+from .arguments import TokenWeightedArguments
+from .trainer import TokenWeightedTrainer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GRPOArguments(TokenWeightedArguments):
+    """``TokenWeightedArguments`` plus the rollout and the policy loss (TRL's ``GRPOConfig`` names).
+
+    ``per_device_train_batch_size`` counts completions, as in TRL: a rank's generation batch is
+    ``per_device_train_batch_size x steps_per_generation`` completions, ``num_generations`` per prompt.
+    """
+
+    num_generations: int = field(default=8, metadata={"help": "Completions sampled per prompt (a group)."})
+    max_completion_length: int = field(default=256, metadata={"help": "Longest completion sampled, in tokens."})
+    max_prompt_length: int | None = field(
+        default=None, metadata={"help": "Keep only the last this many prompt tokens (None: the whole prompt)."}
+    )
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature; the log-probs are those of logits / temperature."}
+    )
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the smallest set of this mass."})
+    top_k: int = field(default=0, metadata={"help": "Sample among the k likeliest tokens (0: all)."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "transformers' repetition penalty (1: none)."})
+    steps_per_generation: int | None = field(
+        default=None,
+        metadata={
+            "help": "Micro-batches one generation batch makes (None: gradient_accumulation_steps, one generation "
+            "per optimizer step). 2 x gradient_accumulation_steps: one generation serves two optimizer steps."
+        },
+    )
+    num_iterations: int = field(
+        default=1, metadata={"help": "Passes over each generation batch (PPO epochs; > 1 needs old log-probs)."}
+    )
+    loss_type: str = field(
+        default="token",
+        metadata={
+            "help": "'token' (DAPO: every completion token of the step weighs the same), 'sequence' (GRPO: every "
+            "completion weighs the same), 'dr_grpo' (sum / (completions x max_completion_length)); TRL's 'dapo' "
+            "and 'grpo' name the first two."
+        },
+    )
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping bound of the ratio: r >= 1 - epsilon."})
+    epsilon_high: float | None = field(
+        default=None, metadata={"help": "Upper clipping bound: r <= 1 + epsilon_high (None: epsilon; DAPO: 0.28)."}
+    )
+    beta: float = field(
+        default=0.0, metadata={"help": "Weight of the k3 KL estimate to the reference model (0: no reference)."}
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={
+            "help": "Divide advantages by the std of the prompt's group ('group'), of the whole generation batch "
+            "('batch'), or not at all ('none', Dr. GRPO).",
+            "choices": list(SCALE_REWARDS),
+        },
+    )
+    reward_weights: list[float] | None = field(
+        default=None, metadata={"help": "Weight of each reward function in the total reward (None: all 1)."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+        validate_grpo_settings(self)
+
+
+def validate_grpo_settings(args: GRPOArguments) -> None:
+    """Check the rollout settings; raise ``ValueError`` naming the field and the fix."""
+    if args.num_generations < 2:
+        raise ValueError(
+            f"num_generations={args.num_generations}: group advantages need >= 2 completions per prompt (with one, "
+            "every advantage is 0)."
+        )
+    for name in ("max_completion_length", "steps_per_generation", "num_iterations"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}={getattr(args, name)}: it must be >= 1.")
+    batch = args.per_device_train_batch_size * args.steps_per_generation
+    if batch % args.num_generations:
+        raise ValueError(
+            f"a rank's generation batch, per_device_train_batch_size x steps_per_generation = "
+            f"{args.per_device_train_batch_size} x {args.steps_per_generation} = {batch} completions, must hold whole "
+            f"groups of num_generations={args.num_generations}: make it a multiple."
+        )
+    if LOSS_TYPE_ALIASES.get(args.loss_type, args.loss_type) not in LOSS_TYPES:
+        raise ValueError(f"loss_type={args.loss_type!r}: use one of {list(LOSS_TYPES)} (or TRL's 'dapo', 'grpo').")
+    if args.scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={args.scale_rewards!r}: use one of {list(SCALE_REWARDS)}.")
+    if args.normalization == "sequence":
+        raise ValueError("normalization='sequence' does not apply to GRPO: set loss_type='sequence' instead.")
+    if not args.temperature > 0:
+        raise ValueError(f"temperature={args.temperature}: it must be > 0.")
+    # The loss's own checks (epsilon, epsilon_high, beta), here where the settings are made: a job would otherwise
+    # meet them only when its trainer is built, after a short SFT and the held-out scoring, as a traceback.
+    PolicyGradientObjective(
+        loss_type=args.loss_type,
+        epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high,
+        beta=args.beta,
+        max_completion_length=args.max_completion_length,
+        temperature=args.temperature,
+    )
+
+
+def check_reward_weights(weights: Sequence[float] | None, funcs: Sequence[Callable]) -> None:
+    """One weight per reward function, or none (all 1): a :class:`ConfigError` (a user's setting) otherwise."""
+    if weights is not None and len(weights) != len(funcs):
+        raise ConfigError(
+            f"reward_weights has {len(weights)} weights for {len(funcs)} reward functions: give one each."
+        )
+
+
+def as_grpo_arguments(args: TrainingArguments | None) -> GRPOArguments:
+    """``args`` as :class:`GRPOArguments`: itself, or converted once (every field the user set is kept)."""
+    if isinstance(args, GRPOArguments):
+        return args
+    if args is None:
+        return GRPOArguments(output_dir="tmp_trainer")
+    names = {f.name for f in dataclasses.fields(GRPOArguments) if f.init}
+    return GRPOArguments(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and f.name in names}
+    )
+
+
+class GRPOTrainer(TokenWeightedTrainer):
+    """Online GRPO / DAPO / Dr. GRPO: sample, score, and take exact policy-gradient steps on what was sampled.
+
+    Args:
+        model: the policy, a causal LM (its ``generate`` samples the completions).
+        reward_funcs: a function ``f(prompts, completions, **columns) -> list[float]`` or a list of them; ``columns``
+            are the prompts dataset's other columns, one entry per completion. Chat prompts get completions as
+            ``[{"role": "assistant", "content": text}]`` (as in TRL).
+        args: :class:`GRPOArguments` (a plain ``TrainingArguments`` is converted, with GRPO's defaults).
+        train_dataset: prompts: a ``"prompt"`` column of text or chat messages, plus any columns the rewards read.
+        processing_class: the tokenizer (chat template, EOS and pad token).
+        ref_model: the reference for ``beta > 0`` (None: a frozen copy as training starts, or a PEFT policy's base).
+        callbacks, optimizers, **kwargs: as for ``transformers.Trainer`` (no ``eval_dataset``: score held-out prompts
+            after training, as ``recipes/grpo.py`` does).
+
+    >>> def correct(prompts, completions, answer, **kwargs):  # doctest: +SKIP
+    ...     return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+    >>> trainer = GRPOTrainer(model, correct, GRPOArguments(output_dir="out", num_generations=8),  # doctest: +SKIP
+    ...                       train_dataset=prompts, processing_class=tokenizer)
+    >>> trainer.train()  # doctest: +SKIP
+    """
+
+    args: GRPOArguments
+
+    def __init__(
+        self,
+        model: nn.Module,
+        reward_funcs: Callable | Sequence[Callable],
+        args: TrainingArguments | None = None,
+        train_dataset=None,
+        processing_class=None,
+        ref_model: nn.Module | None = None,
+        callbacks=None,
+        optimizers=(None, None),
+        **kwargs,
+    ):
+        args = as_grpo_arguments(args)
+        if processing_class is None or getattr(processing_class, "pad_token_id", None) is None:
+            raise ValueError("GRPOTrainer needs processing_class=<the tokenizer>, with a pad token (and EOS).")
+        if kwargs.get("eval_dataset") is not None:
+            raise ValueError(
+                "GRPOTrainer does not evaluate during training; score held-out prompts after training (recipes/grpo.py "
+                "reports their reward and exact match) and pass no eval_dataset."
+            )
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not funcs or not all(callable(f) for f in funcs):
+            raise ValueError("reward_funcs must be a function f(prompts, completions, **columns) or a list of them.")
+        check_reward_weights(args.reward_weights, funcs)
+        if train_dataset is None or "prompt" not in getattr(train_dataset, "column_names", ()):
+            raise ValueError(
+                "train_dataset must be a datasets.Dataset with a 'prompt' column (text or chat messages)."
+            )
+        self.reward_funcs = funcs
+        objective = PolicyGradientObjective(
+            loss_type=args.loss_type,
+            epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high,
+            beta=args.beta,
+            ref_model=ref_model,
+            max_completion_length=args.max_completion_length,
+            temperature=args.temperature,
+        )
+        super().__init__(
+            model,
+            args,
+            train_dataset=train_dataset,
+            data_collator=DataCollatorForCausalLM(processing_class.pad_token_id),
+            processing_class=processing_class,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            objective=objective,
+            **kwargs,
+        )
+        self.rollout: Rollout | None = None  # this rank's latest generation batch (rows in training order)
+        self.rollout_meter = RolloutMeter([get_reward_name(f) for f in funcs], args.num_generations)
+        self._logprobs_fused: bool | None = None  # old log-probs from the hidden states in chunks: checked once
+        self._generations = 0
+        # This rank's seconds of generation over the whole run (the logged generation_time covers the logged
+        # intervals only: a run whose last steps end between two logging steps would leave them out).
+        self.generation_seconds = 0.0
+
+    # ---- where the micro-batches come from -------------------------------------------------------------------
+    @property
+    def needs_old_logps(self) -> bool:
+        """Whether some micro-batch of a generation is trained after an optimizer step that followed its sampling.
+
+        A generation's micro-batches all fall in one optimizer step only when they divide the step's
+        ``gradient_accumulation_steps`` (the Trainer draws a whole step's micro-batches before its first forward).
+        """
+        args = self.args
+        return args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0
+
+    def get_train_dataloader(self) -> RolloutLoader:
+        """Micro-batches of completions, generated when the step needs them (:class:`RolloutLoader`)."""
+        return RolloutLoader(self)
+
+    def generate_micro_batches(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """The ``steps_per_generation`` micro-batches of one generation batch: prompts ``indices`` of the dataset."""
+        args, start = self.args, time.perf_counter()
+        policy = self.accelerator.unwrap_model(self.model)
+        rollout = build_rollout(
+            policy,
+            self.processing_class,
+            [self.train_dataset[i] for i in indices],
+            self.reward_funcs,
+            num_generations=args.num_generations,
+            settings=SamplingSettings(
+                args.max_completion_length, args.temperature, args.top_p, args.top_k, args.repetition_penalty
+            ),
+            reward_weights=args.reward_weights,
+            scale_rewards=args.scale_rewards,
+            max_prompt_length=args.max_prompt_length,
+            row_names=[f"row {i} of the prompts dataset" for i in indices],
+        )
+        # Groups are mixed over the micro-batches (as TRL does): the step's update does not depend on the order,
+        # but a micro-batch of one prompt's completions would have a zero-mean advantage.
+        seed = (args.data_seed if args.data_seed is not None else args.seed) + 7919 * self._generations
+        order = torch.randperm(len(rollout.rows), generator=torch.Generator().manual_seed(seed)).tolist()
+        rollout.rows = [rollout.rows[i] for i in order]
+        self._generations += 1
+        size = args.per_device_train_batch_size
+        batches = [self.data_collator(rollout.rows[i : i + size]) for i in range(0, len(rollout.rows), size)]
+        if self.needs_old_logps:
+            for batch in batches:
+                batch["old_logps"] = self.get_old_logps(policy, batch)
+            rows = iter(rollout.rows)
+            for batch in batches:  # the rows too, so that a test can rebuild the rollout exactly
+                for values, row in zip(batch["old_logps"], rows, strict=False):
+                    row["old_logps"] = values[: len(row["input_ids"])].tolist()
+        self.rollout = rollout
+        seconds = time.perf_counter() - start
+        self.rollout_meter.add(rollout, seconds)
+        self.generation_seconds += seconds
+        # The rate logged for training leaves the rollout out; it is logged apart (generation_time).
+        self.meter.exclude_time(seconds)
+        return batches
+
+    @torch.no_grad()
+    def get_old_logps(self, policy: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The sampling policy's log-prob of each completion token, aligned with ``labels`` (0 elsewhere), ``[B, T]``."""
+        device = self.args.device
+        inputs = {"input_ids": batch["input_ids"].to(device), "attention_mask": batch["attention_mask"].to(device)}
+        targets = shift_labels(batch["labels"].to(device), attention_mask=inputs["attention_mask"])
+        if self._logprobs_fused is None:
+            self._logprobs_fused = self.args.fused_loss and (
+                check_fused_logprobs(policy, inputs, targets, self.args.temperature) is None
+            )
+        was_training = policy.training
+        policy.eval()
+        try:
+            _, result = get_token_logprobs(
+                policy, inputs, targets, fused=self._logprobs_fused, temperature=self.args.temperature
+            )
+        finally:
+            policy.train(was_training)
+        # Position t predicts token t + 1: its log-prob belongs to input_ids[t + 1], where the labels say so.
+        aligned = torch.zeros(batch["labels"].shape, dtype=torch.float32, device=device)
+        aligned[:, 1:][result.mask[:, :-1]] = result.logps.float()
+        return aligned.cpu()
+
+    # ---- what is logged --------------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The token-weighted logs, plus the rollouts of the interval (rewards, lengths) and the time apart."""
+        if "loss" in logs:
+            logs.update(self.rollout_meter.interval_logs(self.accelerator))
+            logs["training_time"] = round(self.meter.training_seconds(), 3)
+        super().log(logs, start_time)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """``TokenWeightedTrainer.train``. A resumed run samples new rollouts from its prompts: the Trainer's replay of
+        the micro-batches trained before (``skip_first_batches``) would sample and throw away whole generations."""
+        skip = self.args.ignore_data_skip
+        self.args.ignore_data_skip = True
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.args.ignore_data_skip = skip
+
+
+class RolloutLoader:
+    """The train dataloader of :class:`GRPOTrainer`: micro-batches of completions, sampled when the step needs them.
+
+    Prompts are drawn in a seeded order per epoch (``train_sampling_strategy="sequential"``: in dataset order), in
+    global batches of ``P x prompts per rank``; rank r takes the r-th block of each. Each block becomes
+    ``steps_per_generation`` micro-batches, yielded ``num_iterations`` times. Its length, in micro-batches, is what
+    the Trainer plans its steps by.
+    """
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+        self.epoch = 0
+        args = trainer.args
+        self.prompts_per_rank = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
+        self.prompts_per_generation = self.prompts_per_rank * trainer.accelerator.num_processes
+        if len(trainer.train_dataset) < self.prompts_per_generation:
+            raise ValueError(
+                f"the prompts dataset has {len(trainer.train_dataset)} rows, fewer than one generation batch needs "
+                f"({self.prompts_per_generation}: per_device_train_batch_size x steps_per_generation / num_generations "
+                "x processes); give more prompts or a smaller batch."
+            )
+
+    def __len__(self) -> int:
+        args = self.trainer.args
+        generations = len(self.trainer.train_dataset) // self.prompts_per_generation
+        return generations * args.steps_per_generation * args.num_iterations
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        trainer, args = self.trainer, self.trainer.args
+        n = len(trainer.train_dataset)
+        if args.train_sampling_strategy == "sequential":
+            order = list(range(n))
+        else:
+            seed = (args.data_seed if args.data_seed is not None else args.seed) + self.epoch
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+        rank = trainer.accelerator.process_index
+        for start in range(0, n - self.prompts_per_generation + 1, self.prompts_per_generation):
+            first = start + rank * self.prompts_per_rank
+            batches = trainer.generate_micro_batches(order[first : first + self.prompts_per_rank])
+            for _ in range(args.num_iterations):
+                yield from batches
+
+
+class RolloutMeter:
+    """The logged rollout metrics of one interval: rewards, completion lengths and times, summed over all ranks.
+
+    Rewards and lengths are over completions (their unit), the share of groups whose rewards all agree over prompt
+    groups; min/max lengths over all ranks. TRL's names: ``reward``, ``reward_std``, ``rewards/{f}/mean``,
+    ``rewards/{f}/std``, ``frac_reward_zero_std``, ``completions/mean_length``, ``min_length``, ``max_length``,
+    ``clipped_ratio``; and ``generation_time`` (seconds per rank: sampling, scoring, old log-probs),
+    ``generation_tokens_per_second`` (completion tokens sampled over the sampling time, all ranks).
+    """
+
+    def __init__(self, names: list[str], num_generations: int):
+        self.names, self.num_generations = names, num_generations
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: torch.Tensor | None = None
+        self.min_length, self.max_length = math.inf, 0
+
+    def add(self, rollout: Rollout, seconds: float) -> None:
+        rewards, total = rollout.rewards, rollout.total
+        groups = total.view(-1, self.num_generations)
+        lengths = torch.tensor(rollout.completion_lengths, dtype=torch.float64)
+        values = torch.cat(
+            [
+                torch.tensor([float(len(total)), total.sum(), (total**2).sum()], dtype=torch.float64),
+                rewards.sum(0),
+                (rewards**2).sum(0),
+                torch.tensor(
+                    [
+                        lengths.sum(),
+                        float(sum(rollout.truncated)),
+                        float((groups.max(-1).values - groups.min(-1).values <= 1e-8).sum()),
+                        float(groups.shape[0]),
+                        rollout.seconds,
+                        seconds,
+                    ],
+                    dtype=torch.float64,
+                ),
+            ]
+        )
+        self.sums = values if self.sums is None else self.sums + values
+        self.min_length = min(self.min_length, min(rollout.completion_lengths))
+        self.max_length = max(self.max_length, max(rollout.completion_lengths))
+
+    def interval_logs(self, accelerator) -> dict[str, float]:
+        """The interval's rollout logs (none when it sampled nothing: every rank samples at the same steps)."""
+        if self.sums is None:
+            return {}
+        device, world = accelerator.device, accelerator.num_processes
+        sums, extremes = self.sums, torch.tensor([-self.min_length, self.max_length], dtype=torch.float64)
+        if world > 1:
+            dtype = torch.float32 if device.type == "mps" else torch.float64
+            sums = accelerator.reduce(sums.to(device, dtype), reduction="sum").cpu().double()
+            extremes = accelerator.reduce(extremes.to(device, dtype), reduction="max").cpu().double()
+        self.reset()
+        f = len(self.names)
+        n, total, total_sq = sums[:3].tolist()
+        func_sums, func_sqs = sums[3 : 3 + f].tolist(), sums[3 + f : 3 + 2 * f].tolist()
+        length, truncated, zero_std, groups, sampling, seconds = sums[3 + 2 * f :].tolist()
+        logs = {"reward": total / n, "reward_std": _std(total, total_sq, n)}
+        for name, s, sq in zip(self.names, func_sums, func_sqs, strict=True):
+            logs[f"rewards/{name}/mean"] = s / n
+            logs[f"rewards/{name}/std"] = _std(s, sq, n)
+        logs.update(
+            {
+                "frac_reward_zero_std": zero_std / groups,
+                "completions/mean_length": length / n,
+                "completions/min_length": -extremes[0].item(),
+                "completions/max_length": extremes[1].item(),
+                "completions/clipped_ratio": truncated / n,
+                "generation_time": round(seconds / world, 3),
+                "generation_tokens_per_second": round(length / max(sampling / world, 1e-9), 2),
+            }
+        )
+        return logs
+
+
+def _std(total: float, squares: float, n: float) -> float:
+    """The sample standard deviation from a sum and a sum of squares (Bessel's correction, as TRL's ``nanstd``)."""
+    if n < 2:
+        return 0.0
+    return math.sqrt(max(squares - total * total / n, 0.0) / (n - 1))
+
+
+__all__ = ["GRPOTrainer", "GRPOArguments", "RolloutLoader", "RolloutMeter", "validate_grpo_settings"]
