@@ -23,11 +23,19 @@ are for readers of the code, not a second API.
 
 from .data.batching import TokenBudgetBatchSampler, pack_dataset, pack_examples
 from .data.collator import DataCollatorForCausalLM
-from .data.embedded import build_tiny_llama
+from .data.embedded import (
+    build_default_model,
+    build_default_tokenizer,
+    build_tiny_llama,
+    generate_instruction_examples,
+)
+from .data.embedded_vision import build_tiny_vlm, generate_shape_examples
+from .data.formats import render_mask
 from .data.preference import DataCollatorForPreference, build_preference_dataset
 from .data.sft import DataArguments, build_sft_dataset
 from .data.sources import load_sft_source
 from .data.vision import DataCollatorForVisionLM, get_processor
+from .generation.evaluation import generate_answers
 from .models.loading import ModelArguments, apply_lora, get_tokenizer, load_causal_lm
 from .models.reference import precompute_reference_logps
 from .objectives import (
@@ -41,6 +49,7 @@ from .objectives import (
     PolicyGradientObjective,
     RegressionObjective,
     SequenceClassificationObjective,
+    SetupContext,
     TokenObjective,
     get_objective,
 )
@@ -57,6 +66,7 @@ from .ops.loss import (
     squared_error_sums,
 )
 from .runtime.distributed import get_gradient_scale
+from .runtime.memory import peak_memory
 from .training.accumulation import MicroBatch, accumulation_window, iter_windows
 from .training.arguments import TokenWeightedArguments
 from .training.audit import AccumulationAuditCallback
@@ -84,6 +94,7 @@ __all__ = [
     "TokenBudgetBatchSampler",
     "pack_examples",
     "pack_dataset",
+    "render_mask",
     # preference pairs (DPO)
     "build_preference_dataset",
     "DataCollatorForPreference",
@@ -94,8 +105,15 @@ __all__ = [
     "apply_lora",
     "build_tiny_llama",
     "ModelArguments",
+    # the embedded examples: offline data, tokenizer and tiny models made here
+    "generate_instruction_examples",
+    "build_default_tokenizer",
+    "build_default_model",
+    "generate_shape_examples",
+    "build_tiny_vlm",
     # objectives: what a target is
     "Objective",
+    "SetupContext",
     "CausalLMObjective",
     "TokenObjective",
     "SequenceClassificationObjective",
@@ -125,6 +143,9 @@ __all__ = [
     "iter_windows",
     "accumulation_window",
     "MicroBatch",
+    # evaluation and measuring
+    "generate_answers",
+    "peak_memory",
     # checking
     "verify_accumulation",
     "AccumulationAuditCallback",
