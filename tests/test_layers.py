@@ -170,3 +170,54 @@ def test_readme_map_lists_every_folder_and_module_in_layer_order():
         assert sorted(inner) == sorted(local), f"{folder}/: the map lists {inner}"
         late = [(m, d) for i, m in enumerate(inner) for d in local[m] if d not in inner[:i]]
         assert not late, f"{folder}/: listed before what they import: {late}"
+
+
+def test_a_micro_batch_walks_down_the_layers(tmp_path):
+    """A training micro-batch's walk through ``compute_loss``, traced: every call from one hfacc module into another.
+    It never enters ``setup`` (the checks ran once, before the first window) and never calls into a folder above the
+    caller's (that would be a callback from below)."""
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer
+    from tests.helpers import make_examples, run_trainer, train_args
+
+    calls = []  # per traced micro-batch: (caller module, called module), in call order
+
+    class TracedTrainer(TokenWeightedTrainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            assert self.model_setup is not None  # taken once, in get_batch_samples, before the first window
+            moves = []
+
+            def trace(frame, event, arg):
+                callee = frame.f_globals.get("__name__", "")
+                caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back is not None else ""
+                if (
+                    event == "call"
+                    and callee.startswith("hfacc.")
+                    and caller.startswith("hfacc.")
+                    and caller != callee
+                ):
+                    moves.append((caller, callee))
+
+            sys.setprofile(trace)
+            try:
+                return super().compute_loss(model, inputs, *args, **kwargs)
+            finally:
+                sys.setprofile(None)
+                calls.append(moves)
+
+    torch_model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))  # fmt: skip
+    args = train_args(tmp_path, 2, 2, args_class=TokenWeightedArguments, max_steps=2)
+    run_trainer(TracedTrainer, torch_model, make_examples(8), args, DataCollatorForCausalLM(0))
+    rank = {layer: i for i, layer in enumerate(get_layer_order())}
+    assert len(calls) == 4 and all(calls)  # 2 steps x 2 micro-batches (the setup ran in get_batch_samples)
+    for moves in calls:
+        visited = {m for move in moves for m in move}
+        assert not [m for m in visited if m.startswith("hfacc.setup.")], visited
+        assert {"hfacc.training.trainer", "hfacc.data.padding_free", "hfacc.ops.loss"} <= visited, visited
+        up = [(a, b) for a, b in moves if rank[b.split(".")[1]] > rank[a.split(".")[1]]]
+        assert not up, f"calls into a folder above the caller's: {up}"
+    print("walk:", " -> ".join(dict.fromkeys(m for move in calls[-1] for m in move)), f"({len(calls[-1])} calls)")
