@@ -1,6 +1,6 @@
 """Preference optimization (DPO and its variants) with exact accumulation per pair.
 
-    accelerate launch recipes/dpo.py                       # embedded default: offline, CPU, under 4 minutes
+    accelerate launch recipes/dpo.py                       # embedded default: offline, runs on a CPU
     accelerate launch recipes/dpo.py --model_name_or_path my-sft-model --dataset_name pairs.jsonl --loss_type ipo
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/dpo.py   # two processes
 

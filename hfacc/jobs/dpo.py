@@ -1,6 +1,6 @@
 """Preference optimization (DPO and its variants) with exact accumulation per pair: the job of ``hfacc dpo``.
 
-    hfacc dpo                                                # embedded default: offline, CPU, under 4 minutes
+    hfacc dpo                                                # embedded default: offline, runs on a CPU
     accelerate launch recipes/dpo.py                         # the same job, as a recipe script
     accelerate launch recipes/dpo.py --model_name_or_path my-sft-model --dataset_name pairs.jsonl --loss_type ipo
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/dpo.py   # two processes

@@ -1,6 +1,6 @@
 """Online RL (GRPO, DAPO, Dr. GRPO) with exact accumulation: the job of ``hfacc grpo`` and ``recipes/grpo.py``.
 
-    hfacc grpo                                   # embedded default: offline, CPU, about 5 minutes on 2 cores
+    hfacc grpo                                   # embedded default: offline, runs on a CPU
     accelerate launch recipes/grpo.py            # the same job, as a recipe script
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/grpo.py   # two processes
 
