@@ -71,7 +71,7 @@ SUITE = "the test suite itself, or a part of it (this test is part of it); CI ru
 COMMANDS = {
     "pip install torch --index-url https://download.pytorch.org/whl/cpu": ("skip", TORCH_WHEEL),
     "pip install torch --index-url https://download.pytorch.org/whl/cu128": ("skip", TORCH_WHEEL),
-    "git clone https://github.com/<owner>/hfacc.git": ("skip", "needs the network; CI starts from a clean clone"),
+    "git clone <URL of the hfacc repository> hfacc": ("skip", "needs the network; CI starts from a clean clone"),
     "cd hfacc": ("skip", "changes into the clone; these tests run in one"),
     "pip install -e .": ("skip", "installs the package into the environment; CI installs it with the dev extra"),
     'pip install -e ".[dev]"': ("skip", "installs the package into the environment; CI's first step runs it"),
