@@ -114,26 +114,21 @@ def trackio_metrics(out: Path, run: str) -> dict[tuple[str, int], float]:
     return values
 
 
-@pytest.mark.parametrize("run", list(EXPECTED))
-def test_tensorboard_event_files_hold_hfaccs_metrics_by_name(tracked, run):
-    logs, scalars = logged(tracked, run), tensorboard_scalars(tracked, run)
-    names = {name for name, _ in scalars}
-    missing = [name for name in expected_names(run) if name not in names]
-    assert not missing, f"{run}: not in the event files: {missing} (they hold {sorted(names)})"
-    for (name, step), value in logs.items():
-        if name in expected_names(run):
-            assert scalars[(name, step)] == pytest.approx(value, rel=1e-6, abs=1e-9), (run, name, step)  # float32
+# What each tracker keeps: TensorBoard stores float32 scalars, Trackio the logged JSON values.
+READERS = {"tensorboard": (tensorboard_scalars, 1e-6), "trackio": (trackio_metrics, 1e-12)}
 
 
+@pytest.mark.parametrize("tracker", list(READERS))
 @pytest.mark.parametrize("run", list(EXPECTED))
-def test_trackio_store_holds_hfaccs_metrics_by_name(tracked, run):
-    logs, metrics = logged(tracked, run), trackio_metrics(tracked, run)
-    names = {name for name, _ in metrics}
+def test_the_trackers_files_hold_hfaccs_metrics_by_name(tracked, run, tracker):
+    read, tolerance = READERS[tracker]
+    logs, stored = logged(tracked, run), read(tracked, run)
+    names = {name for name, _ in stored}
     missing = [name for name in expected_names(run) if name not in names]
-    assert not missing, f"{run}: not in Trackio's store: {missing} (it holds {sorted(names)})"
+    assert not missing, f"{run}: not in {tracker}'s files: {missing} (they hold {sorted(names)})"
     for (name, step), value in logs.items():
         if name in expected_names(run):
-            assert metrics[(name, step)] == pytest.approx(value, rel=1e-12), (run, name, step)
+            assert stored[(name, step)] == pytest.approx(value, rel=tolerance, abs=1e-9), (run, name, step)
 
 
 # ---- push_to_hub: what a job uploads ---------------------------------------------------------------------------
