@@ -140,6 +140,29 @@ COMMANDS = {
         "skip",
         "the main job on two processes (minutes); tests/test_recipe.py runs it shortened through the same config",
     ),
+    "accelerate launch recipes/sft.py --report_to tensorboard": (
+        "skip",
+        "the main job (~2.5 min) with a tracker; tests/test_tracking.py reads the metrics of short SFT, DPO and GRPO "
+        "runs back from TensorBoard's event files and Trackio's store",
+    ),
+    "tensorboard --logdir outputs/sft-tiny/runs": ("skip", "starts the TensorBoard server (a web page)"),
+    "accelerate launch recipes/sft.py --report_to trackio --project hfacc-sft --run_name tiny": (
+        "skip",
+        "the main job with a tracker writing into the user's Trackio store; tests/test_tracking.py runs Trackio "
+        "offline into a temporary one",
+    ),
+    "trackio show --project hfacc-sft": ("skip", "starts Trackio's dashboard (a web page)"),
+    "accelerate launch recipes/dpo.py --report_to wandb": ("skip", "needs wandb, an account and the network"),
+    "accelerate launch recipes/sft.py --push_to_hub true --hub_model_id your-name/hfacc-sft-tiny": (
+        "skip",
+        "needs the Hub and a token; tests/test_tracking.py runs the job's push against a recording stand-in",
+    ),
+    "accelerate launch recipes/sft.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --use_lora true --lora_r 16 "
+    "--lora_alpha 32": (
+        "skip",
+        "downloads Qwen2.5-0.5B-Instruct from the Hub; docs/lora.md's Python block trains, merges and loads an "
+        "adapter on a tiny local base",
+    ),
     "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/sft.py --config "
     "recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
         "skip",

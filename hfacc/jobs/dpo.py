@@ -7,9 +7,10 @@
 
 With neither --config nor --model_name_or_path, recipes/configs/dpo_tiny_default.yaml supplies the defaults. The
 run starts from the SFT recipe's output (outputs/sft-tiny, written by `accelerate launch recipes/sft.py`) if it is
-there, else runs a short SFT itself; builds preference pairs from the embedded tasks (chosen: the right answer;
-rejected: the model's own wrong greedy answer, or a plausible wrong one where it answered right); trains with the
-DPO objective; and prints the held-out reward accuracy and exact match before -> after. Rows of a dataset given with
+there, else runs a short SFT itself; builds preference pairs from that model's own mistakes on the embedded tasks
+(chosen: the right answer; rejected: its wrong greedy answer, or a wrong sampled one where the greedy one is right;
+prompts it always answers right get no pair); trains with the DPO objective and an NLL term on the chosen answers;
+and prints the held-out reward accuracy and exact match before -> after. Rows of a dataset given with
 --dataset_name have TRL's columns (prompt, chosen, rejected; see hfacc.build_preference_dataset). Writes the model,
 tokenizer, metrics.json and loss_curve.png to --output_dir; user errors end in one message and exit code 2.
 """
@@ -35,6 +36,7 @@ from ..data.preference import (
     load_preference_source,
 )
 from ..generation.evaluation import exact_match_by_group, exact_match_on_conversations, generate_answers
+from ..generation.rollout import SamplingSettings, get_prompt_ids, sample_completions
 from ..models.loading import ModelArguments, get_tokenizer, load_causal_lm, load_model_and_tokenizer
 from ..models.reference import precompute_reference_logps
 from ..objectives.preference import LOSS_TYPES, DPOObjective
@@ -98,8 +100,22 @@ class DPOArguments:
     sft_num_examples: int = field(
         default=7200, metadata={"help": "Embedded default: conversations of that short SFT."}
     )
-    num_embedded_pairs: int = field(
-        default=1600, metadata={"help": "Embedded default: pairs built (train + held out)."}
+    num_embedded_prompts: int = field(
+        default=2000,
+        metadata={
+            "help": "Embedded default: prompts the starting model answers (train + held out); each one it answers "
+            "wrong becomes a pair (chosen: the right answer; rejected: its own wrong one)."
+        },
+    )
+    num_rejected_samples: int = field(
+        default=2,
+        metadata={
+            "help": "Embedded default: answers sampled per prompt besides the greedy one; where the greedy answer "
+            "is right, a wrong sample is the rejected one (0: greedy mistakes only)."
+        },
+    )
+    rejected_temperature: float = field(
+        default=1.0, metadata={"help": "Embedded default: the temperature of those samples."}
     )
     num_exact_match_examples: int = field(
         default=200, metadata={"help": "Held-out prompts answered greedily before and after training (0: skip)."}
@@ -148,8 +164,12 @@ class DPOArguments:
             raise ValueError(
                 "loss_type='simpo' is reference-free: drop ref_model_name_or_path / precompute_ref_log_probs."
             )
-        if self.num_embedded_pairs < 20:
-            raise ValueError(f"num_embedded_pairs={self.num_embedded_pairs}: it must be >= 20.")
+        if self.num_embedded_prompts < 20:
+            raise ValueError(f"num_embedded_prompts={self.num_embedded_prompts}: it must be >= 20.")
+        if self.num_rejected_samples < 0:
+            raise ValueError(f"num_rejected_samples={self.num_rejected_samples}: it must be >= 0 (0: greedy only).")
+        if not self.rejected_temperature > 0:
+            raise ValueError(f"rejected_temperature={self.rejected_temperature}: it must be > 0.")
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"eval_fraction={self.eval_fraction}: it must be between 0 and 1.")
         if self.torch_threads < 0:
@@ -374,42 +394,77 @@ def plausible_wrong_answer(answer: str, task: str, rng: random.Random) -> str:
 
 
 def build_embedded_pairs(model, tokenizer, dpo_args: DPOArguments, seed: int = 0):
-    """``(train rows, eval rows, held-out conversations)`` of preference pairs from the embedded tasks.
+    """``(train rows, eval rows, held-out conversations)`` of preference pairs from the starting model's mistakes.
 
-    Prompts come from the embedded instruction data (seeded apart from the SFT recipe's); the chosen answer is the
-    right one, the rejected one the model's own greedy answer where it is wrong, else a plausible wrong one
-    (:func:`plausible_wrong_answer`). The held-out conversations are the eval pairs' prompts, for exact match.
+    Prompts come from the embedded instruction data (seeded apart from the SFT recipe's). The model answers each
+    greedily and ``num_rejected_samples`` times sampled (at ``rejected_temperature``, seeded); a prompt gets a pair
+    when one of those answers is wrong: chosen the right answer, rejected the greedy one if it is wrong (the mistake
+    that costs exact match), else the first wrong sample (a mistake the model still gives weight to). A prompt the
+    model always answers right teaches nothing and gets no pair: a made-up near miss there lowered a mostly right
+    model (held-out exact match 0.78 -> 0.69 from the full SFT output). The held-out conversations are all the
+    held-out prompts, answered right or not, so exact match is measured on the task mix, not on the mistakes.
     """
     import datasets
 
     from ..data.embedded import generate_instruction_examples
 
-    examples = generate_instruction_examples(dpo_args.num_embedded_pairs, seed=seed + 1)
+    examples = generate_instruction_examples(dpo_args.num_embedded_prompts, seed=seed + 1)
     prompts = [e["messages"][:-1] for e in examples]
-    answers = generate_answers(model, tokenizer, prompts, max_new_tokens=dpo_args.max_new_tokens, batch_size=64)
-    rng = random.Random(seed)
-    rows, own = [], 0
-    for example, prompt, answer in zip(examples, prompts, answers, strict=True):
+    greedy = generate_answers(model, tokenizer, prompts, max_new_tokens=dpo_args.max_new_tokens, batch_size=64)
+    sampled = sample_answers(model, tokenizer, prompts, dpo_args, seed=seed)
+    k = dpo_args.num_rejected_samples
+    rows, counts = [], {"greedy": 0, "sampled": 0, "right": 0}
+    for i, example in enumerate(examples):
         right = example["messages"][-1]["content"]
-        wrong = answer if answer and answer != right else plausible_wrong_answer(right, example["task"], rng)
-        own += wrong == answer
+        wrong = [a for a in [greedy[i], *sampled[i * k : (i + 1) * k]] if a and a != right]
+        if not wrong:
+            counts["right"] += 1
+            rows.append(None)
+            continue
+        counts["greedy" if wrong[0] == greedy[i] else "sampled"] += 1
         rows.append(
             {
-                "prompt": prompt,
+                "prompt": prompts[i],
                 "chosen": [{"role": "assistant", "content": right}],
-                "rejected": [{"role": "assistant", "content": wrong}],
+                "rejected": [{"role": "assistant", "content": wrong[0]}],
                 "task": example["task"],
             }
         )
-    held = max(1, int(len(rows) * dpo_args.eval_fraction))
-    train, evaluation = rows[held:], rows[:held]
-    logger.info(
-        "hfacc: %d preference pairs from the embedded tasks; %d rejected answers are the model's own wrong ones.",
-        len(rows),
-        own,
+    held = max(1, int(len(examples) * dpo_args.eval_fraction))
+    train, evaluation = [r for r in rows[held:] if r], [r for r in rows[:held] if r]
+    if len(train) < 8 or not evaluation:
+        raise ConfigError(
+            f"the starting model answers {counts['right']} of {len(examples)} embedded prompts right every time: "
+            f"{len(train)} training and {len(evaluation)} held-out pairs of its mistakes are too few to train on. "
+            "Raise --num_embedded_prompts or --num_rejected_samples, or give pairs with --dataset_name."
+        )
+    logger.warning(
+        "hfacc: %d preference pairs from the starting model's own mistakes on %d embedded prompts (rejected: %d "
+        "greedy answers, %d sampled ones); %d prompts it answered right every time have none.",
+        len(train) + len(evaluation),
+        len(examples),
+        counts["greedy"],
+        counts["sampled"],
+        counts["right"],
     )
-    held_out = [{"messages": r["prompt"] + r["chosen"], "task": r["task"]} for r in evaluation]
+    held_out = [{"messages": e["messages"], "task": e["task"]} for e in examples[:held]]
     return datasets.Dataset.from_list(train), datasets.Dataset.from_list(evaluation), held_out
+
+
+def sample_answers(model, tokenizer, prompts, dpo_args: DPOArguments, seed: int = 0) -> list[str]:
+    """``num_rejected_samples`` sampled answers per prompt (prompt-major), seeded apart from training's RNG."""
+    k = dpo_args.num_rejected_samples
+    if not k:
+        return []
+    settings = SamplingSettings(dpo_args.max_new_tokens, dpo_args.rejected_temperature)
+    ids = [get_prompt_ids(tokenizer, p) for p in prompts for _ in range(k)]
+    answers = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 2)
+        for i in range(0, len(ids), 256):
+            completions, _ = sample_completions(model, tokenizer, ids[i : i + 256], settings)
+            answers += tokenizer.batch_decode(completions, skip_special_tokens=True)
+    return [a.strip() for a in answers]
 
 
 def build_example_pairs(data_args, tokenizer, count: int, seed: int = 0):

@@ -95,6 +95,15 @@ class TokenWeightedArguments(TrainingArguments):
             "Without it such a run is refused (it would mix with them: resuming could continue theirs)."
         },
     )
+    auto_resume_from_checkpoints: bool = field(
+        default=False,
+        metadata={
+            "help": "For jobs a scheduler requeues with the same command (SLURM, spot instances): with no "
+            "resume_from_checkpoint given, resume from the newest complete checkpoint of this run in output_dir "
+            "if there is one, else start afresh; which one is said. Another run's checkpoints are never taken "
+            "(such a directory is refused). Axolotl's name."
+        },
+    )
     audit_every_n_steps: int = field(
         default=0,
         metadata={
@@ -133,6 +142,11 @@ def validate_settings(args: TokenWeightedArguments) -> None:
         raise ValueError("audit_every_n_steps must be >= 0 (0 turns the audit off).")
     if args.audit_tolerance < 0:
         raise ValueError("audit_tolerance must be >= 0 (0 derives it from the training precision).")
+    if args.auto_resume_from_checkpoints and args.overwrite_output_dir:
+        raise ValueError(
+            "auto_resume_from_checkpoints and overwrite_output_dir: a requeued run would delete its own checkpoints "
+            "each time it starts; drop overwrite_output_dir (or choose a new output_dir to start afresh)."
+        )
     if args.max_skipped_steps < 0:
         raise ValueError("max_skipped_steps must be >= 0 (0 never stops training).")
     if args.learning_rate < 0:

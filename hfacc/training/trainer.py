@@ -376,7 +376,9 @@ class TokenWeightedTrainer(Trainer):
 
         ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint of this run (same
         settings, :func:`hfacc.training.checkpoint.get_run_settings`); a new run into a directory holding another run's
-        checkpoints is refused (``overwrite_output_dir`` deletes them). Resuming a finished run trains nothing.
+        checkpoints is refused (``overwrite_output_dir`` deletes them). Resuming a finished run trains nothing. With
+        ``args.auto_resume_from_checkpoints`` and no checkpoint given, a requeued job resumes from this run's newest
+        complete checkpoint if there is one, else starts afresh (and says which).
         """
         streaming = isinstance(self.train_dataset, SFTStream)
         self._run_settings = get_run_settings(self.args, streaming)
