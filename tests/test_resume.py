@@ -294,14 +294,16 @@ def test_a_requeued_job_resumes_its_own_last_checkpoint_or_starts_afresh(two_che
         assert any(f"resuming from {out / 'checkpoint-2'} (step 2)" in m for m in said), said
         assert trained == [2]  # step 3 only: one window of 2 micro-batches
         assert check.relative_error(check.weights(model), full) <= TOL
-        # Launch 4, requeued after the run ended: from checkpoint-3, nothing trained, the same weights.
+        finished = check.weights(model)
+        # Launch 4, requeued after the run ended: from checkpoint-3, nothing trained, launch 3's weights exactly
+        # (launch 3 itself matches the uninterrupted run within TOL: its resumed step may round differently).
         trainer, model = check.make_trainer(out, REQUEUED)
         trained = count_micro_batches(trainer)
         trainer.train()
         assert trained == [0]
         assert any(f"resuming from {out / 'checkpoint-3'} (step 3)" in m for m in said), said
         assert any("the run is finished, nothing was trained" in m for m in said), said
-        assert check.relative_error(check.weights(model), full) == 0.0
+        assert torch.equal(check.weights(model), finished)
     finally:
         logging.getLogger("hfacc").removeHandler(handler)
 
