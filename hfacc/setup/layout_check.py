@@ -354,7 +354,9 @@ def _run_check(model: nn.Module, batch: Mapping[str, Any], with_grad: bool) -> _
 
     def capture(module, args, output):  # the embeddings as a leaf of their own: the gradient stops here
         leaf.append(output.detach().requires_grad_())
-        return leaf[-1]
+        # The model gets a copy, not the leaf: a model that scales its embeddings in place (CTRL multiplies them
+        # by sqrt(d_model)) may do so to a tensor autograd made, never to a leaf that requires grad.
+        return leaf[-1].clone()
 
     handle = embeddings.register_forward_hook(capture) if with_grad and embeddings is not None else None
     try:
