@@ -403,7 +403,8 @@ def test_layers_that_run_across_packed_sequences_train_padded(tmp_path, caplog, 
     assert relative_error(capture.grads[0], reference) <= 1e-6
     assert not trainer.padding_free
     assert len(warnings) == 1 and warnings[0].startswith("hfacc: padded micro-batches, as collated: packed rows")
-    assert warnings[0].count("(a leak) by") == 2  # both layouts
+    assert warnings[0].count("(a leak) by") == 4  # both layouts, by the logits and by the gradient
+    assert warnings[0].count("reaches the one before it in its row (a leak) by") == 2
     batch = pad(examples)
     padded = micro_batch_gradient(model, batch)
     for one_row in (False, True):
