@@ -34,6 +34,7 @@ from hfacc import (
 from hfacc.objectives import CausalLMObjective
 from hfacc.ops.precision import get_check_precision, get_rounding_bound, get_tolerance
 from hfacc.setup.layout_check import check_padding_free, check_row_offsets, choose_padding_free
+from hfacc.verify.equivalence import verify_accumulation
 from tests.helpers import (
     ROOT,
     VOCAB,
@@ -243,3 +244,16 @@ def test_a_model_that_keeps_sequences_apart_passes_in_every_precision(families, 
         assert check_padding_free(model, batch, one_row=True) is None
         assert check_row_offsets(model, batch, 512) == (512, None)
     assert get_tolerance(dtype) == 1e-6 * torch.finfo(dtype).eps / torch.finfo(torch.float32).eps
+
+
+# ---- hfacc verify: the accumulation against the precision's noise floor ---------------------------------------------
+def test_verify_reports_exact_up_to_rounding_and_what_is_not():
+    report = verify_accumulation(build_tiny_llama(vocab_size=VOCAB), make_examples(8), COLLATE, precisions=("bf16",))
+    assert report.passed and report.within_rounding("bf16")
+    assert 1e-3 < report.noise_floors["bf16"] < 2 * torch.finfo(BF16).eps
+    assert "exact up to bf16 rounding" in report.format()
+    # The stock path on a model that ignores num_items_in_batch: its bf16 accumulation is far beyond rounding.
+    model = KwargsLM(build_tiny_llama(vocab_size=VOCAB))
+    report = verify_accumulation(model, make_examples(8), COLLATE, path="stock", objective="causal_lm")
+    assert not report.within_rounding("bf16") and "beyond bf16 rounding" in report.format()
+    assert report.precision_errors["bf16"] > 100 * get_rounding_bound(report.noise_floors["bf16"])
