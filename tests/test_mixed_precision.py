@@ -246,6 +246,27 @@ def test_a_model_that_keeps_sequences_apart_passes_in_every_precision(families, 
     assert get_tolerance(dtype) == 1e-6 * torch.finfo(dtype).eps / torch.finfo(torch.float32).eps
 
 
+def test_weights_an_engine_computes_in_half_precision_are_judged_in_it(caplog):
+    """FSDP's mixed-precision policy computes fp32-stored weights in its param_dtype whatever autocast says: the
+    checks see it in what the input embeddings put out, and take that precision's bound (fp32's would fail)."""
+    model = build_tiny_llama(vocab_size=VOCAB)
+
+    def cast(module, args):  # as FSDP casts them for the forward
+        module.to(BF16)
+
+    model.register_forward_pre_hook(cast)
+    batch = pad(make_examples(4, seed=2, lengths=(5, 30)))
+    assert get_check_precision(model).dtype == torch.float32  # stored in fp32: nothing but a run tells
+    assert "its logits by" in check_padding_free(model, batch, one_row=True, tolerance=1e-6)  # bf16's rounding
+    model.float()  # stored in fp32 again, as FSDP keeps them between forwards
+    assert check_padding_free(model, batch, one_row=True) is None
+    model.float()
+    with caplog.at_level(logging.INFO, logger="hfacc"):
+        assert choose_padding_free(CausalLMObjective(), model, batch, ONE).padding_free
+    (line,) = said(caplog, logging.INFO)
+    assert "Checked in bf16, as the engine computes the fp32 weights (bound: bf16 rounding)" in line
+
+
 # ---- hfacc verify: the accumulation against the precision's noise floor ---------------------------------------------
 def test_verify_reports_exact_up_to_rounding_and_what_is_not():
     report = verify_accumulation(build_tiny_llama(vocab_size=VOCAB), make_examples(8), COLLATE, precisions=("bf16",))

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .model_io import get_base_model
+from .model_io import get_base_model, get_input_embeddings
 
 # accelerate's mixed precision -> the dtype its autocast computes in ("fp8" autocasts the rest to bf16).
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -87,17 +87,23 @@ def needs_half_precision(model: nn.Module) -> bool:
     return "flash" in str(getattr(config, "_attn_implementation", None) or "")
 
 
-class CheckPrecision(NamedTuple):
-    """Where the layout checks run: ``dtype``, what they compute in; ``training``, what training computes in;
-    ``autocast_off``, whether the check takes autocast off (fp32 master weights under mixed precision)."""
+@dataclass
+class CheckPrecision:
+    """Where a check runs: ``dtype``, what it computes in; ``training``, what training computes in; ``autocast_off``,
+    whether the check takes autocast off (fp32 master weights under mixed precision); ``engine``, the half precision
+    an engine turned the weights into for the forward although they are stored in fp32 (FSDP's mixed-precision
+    policy casts them to its ``param_dtype``), seen in the check's own runs."""
 
     dtype: torch.dtype
     training: torch.dtype
     autocast_off: bool
+    engine: torch.dtype | None = None
 
     def describe(self) -> str:
         """``"fp32"``; ``"fp32 with autocast off (training computes in bf16 ...)"``; ``"bf16, as training ..."``."""
         name, training = dtype_name(self.dtype), dtype_name(self.training)
+        if self.engine is not None:
+            return f"{name}, as the engine computes the fp32 weights (bound: {name} rounding)"
         if self.dtype == self.training:
             return name if self.dtype == torch.float32 else f"{name}, as training computes (bound: {name} rounding)"
         return f"{name} with autocast off (training computes in {training} autocast; the weights are {name} masters)"
@@ -110,10 +116,13 @@ def get_check_precision(model: nn.Module) -> CheckPrecision:
       autocast off. The checks ask whether two layouts compute the same function (no leak, positions read right,
       no row offset read): a question of the model, not of the precision, answered best where rounding is least:
       to :func:`get_tolerance`'s 1e-6.
-    - half-precision weights (``dtype=torch.bfloat16``), or attention kernels that take nothing else
-      (:func:`needs_half_precision`): as training computes (:func:`get_compute_dtype`), within
+    - half-precision weights (``dtype=torch.bfloat16``, DeepSpeed's bf16), or attention kernels that take nothing
+      else (:func:`needs_half_precision`): as training computes (:func:`get_compute_dtype`), within
       ``get_tolerance`` of that dtype. Leaks and fillers are still judged exactly (see
       :func:`hfacc.setup.layout_check.check_padding_free`).
+
+    An engine that computes fp32 weights in half precision whatever autocast says (FSDP's ``param_dtype``) is seen
+    only in a run: :func:`check_precision` watches what the input embeddings put out.
     """
     weights, training = get_weights_dtype(model), get_compute_dtype(model)
     if torch.finfo(weights).bits >= 32 and not needs_half_precision(model):
@@ -123,10 +132,27 @@ def get_check_precision(model: nn.Module) -> CheckPrecision:
 
 @contextlib.contextmanager
 def check_precision(model: nn.Module) -> Iterator[CheckPrecision]:
-    """Run a check of ``model`` where :func:`get_check_precision` says; yields that :class:`CheckPrecision`."""
+    """Run a check of ``model`` where :func:`get_check_precision` says; yields that :class:`CheckPrecision`, whose
+    ``dtype`` is the coarser one of it and of what the input embeddings put out in the block (an engine's
+    half-precision weights), once the block is over."""
     precision = get_check_precision(model)
-    with without_autocast(model) if precision.autocast_off else contextlib.nullcontext():
-        yield precision
+    seen: set[torch.dtype] = set()
+    embeddings = get_input_embeddings(model)
+
+    def watch(module, args, output):
+        if torch.is_tensor(output) and output.is_floating_point():
+            seen.add(output.dtype)
+
+    handle = embeddings.register_forward_hook(watch) if embeddings is not None else None
+    try:
+        with without_autocast(model) if precision.autocast_off else contextlib.nullcontext():
+            yield precision
+    finally:
+        if handle is not None:
+            handle.remove()
+        coarsest = max(seen, key=lambda d: torch.finfo(d).eps, default=precision.dtype)
+        if torch.finfo(coarsest).eps > torch.finfo(precision.dtype).eps:
+            precision.dtype = precision.engine = coarsest
 
 
 def get_tolerance(dtype: torch.dtype) -> float:

@@ -11,11 +11,12 @@ layout is exact, and falls back to the padded batch, said at WARNING, when none 
 refuses packed data a model cannot keep apart (:func:`check_packing`). Every bound is :func:`get_tolerance`'s.
 
 The checks judge semantics, not rounding. Where the weights are fp32 they run in fp32 with autocast off, whatever
-precision training computes in (:func:`get_check_precision`): a bf16 run's rounding differs between two layouts by
-far more than 1e-6, and would hide a leak of 1e-5 (LFM2's) as well as fake a broken model. Where the weights
-themselves are half precision (or the attention kernel takes nothing else: flash attention), they run as training
-computes, within the bound of that precision's rounding; what must be exactly 0 (a leak between the sequences of a
-row, a gradient reaching a filler) is judged exactly in every precision, by gradients that only a leak makes nonzero.
+precision training computes in (:func:`hfacc.ops.precision.get_check_precision`): a bf16 run's rounding differs between
+two layouts by far more than 1e-6, and would hide a leak of 1e-5 (LFM2's) as well as fake a broken model. Where the
+weights themselves are half precision (or the attention kernel takes nothing else: flash attention), they run as
+training computes, within the bound of that precision's rounding; what must be exactly 0 (a leak between the sequences
+of a row, a gradient reaching a filler) is judged exactly in every precision, by gradients that only a leak makes
+nonzero.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ..objectives import Objective
 from ..ops.fused_loss import fused_loss_problem, swap_output_head
 from ..ops.loss import IGNORE_INDEX, get_sequence_starts, shift_labels
 from ..ops.model_io import get_aux_loss, get_base_model, get_input_embeddings, get_logits, model_inputs
-from ..ops.precision import check_precision, get_check_precision, get_tolerance
+from ..ops.precision import check_precision, get_tolerance
 from ..runtime.distributed import all_ranks_agree
 
 logger = logging.getLogger(__name__)
@@ -79,9 +80,9 @@ def check_padding_free(
     The sequences are the first real tokens of ``batch``, cut to three of different lengths (at most
     ``max_tokens`` in all) and padded on the side ``batch`` is padded, then laid out as training will (``one_row``,
     by default from :func:`uses_one_row`; packed rows hold two of them and a filler): the same small work on every
-    rank whatever its data, so sharded models (FSDP, DeepSpeed) run it in step. The run is in
-    :func:`get_check_precision`'s dtype (fp32 for fp32 weights, autocast off). Compared, relative to the padded run,
-    within :func:`get_tolerance` of that dtype (1e-6 in fp32):
+    rank whatever its data, so sharded models (FSDP, DeepSpeed) run it in step. The run is in the check's precision
+    (:func:`hfacc.ops.precision.get_check_precision`: fp32 for fp32 weights, autocast off). Compared, relative to the
+    padded run, within :func:`get_tolerance` of that dtype (1e-6 in fp32):
 
     - what the loss sees: the logits and cross-entropy of every real position and the model's auxiliary (router)
       loss, which a filler counted by the router moves;
@@ -183,12 +184,13 @@ def check_row_offsets(
     the row index once it passes ``floor_scale``, 8192; its chunked attention cuts at multiples of 8192 of the row):
     a sequence laid far into a packed row then differs, by nothing at the offsets of a short check. So one row of
     ``row_length`` tokens (the longest row training will lay out) is tiled with ``tiles`` sequences of the batch's
-    tokens and run, forward only, against the same sequences padded (each from 0): the final hidden states of each
-    tile must match within :func:`get_tolerance` of :func:`get_check_precision`'s dtype (relative L2; 1e-6 for fp32
-    weights, autocast off under any mixed precision). The length verified is where the first tile that differs starts (``row_length`` if none does, with ``why`` None); rows of that length are then exact
-    (:func:`remove_padding`'s ``max_row_length``). The work is one forward of ``row_length`` tokens and one of the
-    same tokens padded, less than a training step's; where the output projection is a plain ``Linear`` its input is
-    taken and the logits are never built.
+    tokens and run, forward only, against the same sequences padded (each from 0): the final hidden states of each tile
+    must match within :func:`get_tolerance` of the check's precision (relative L2; 1e-6 for fp32 weights, autocast off
+    under any mixed precision: :func:`hfacc.ops.precision.get_check_precision`). The length verified is where the first
+    tile that differs starts (``row_length`` if none does, with ``why`` None); rows of that length are then exact
+    (:func:`remove_padding`'s ``max_row_length``). The work is one forward of ``row_length`` tokens and one of the same
+    tokens padded, less than a training step's; where the output projection is a plain ``Linear`` its input is taken
+    and the logits are never built.
     """
     size = max(row_length // tiles, 2)
     lengths = [size] * (tiles - 1) + [max(row_length - size * (tiles - 1), 2)]
@@ -263,27 +265,27 @@ def choose_padding_free(
     longest = _row_lengths(batch, accelerator, max_tokens_per_batch, longest_sequence)
     # Each layout, in order of preference: exact (checked at training's row length), exact up to a row length, or not.
     exact, bounded, reasons = None, None, {}
-    for one_row in (preferred, not preferred):
-        problem = check_padding_free(model, batch, one_row)
-        if problem is None and takes_images(model):
-            problem = _image_problem(model, batch, one_row)  # a vision-language model: with real images
-        if not all_ranks_agree(problem is None, accelerator):
-            reasons[one_row] = problem or "not exact on another rank"
-            continue
-        target = longest[one_row]
-        # The short check's rows hold up to CHECK_TOKENS; longer ones are run as long as training will lay them out.
-        length, why = check_row_offsets(model, batch, target) if target > CHECK_TOKENS else (target, None)
-        length = _min_over_ranks(length, accelerator)
-        if length >= target:
-            # Verified up to the target, not beyond: a longer row later could read offsets nothing here ran.
-            exact = PaddingFreeChoice(True, one_row, target)
-            break
-        reasons[one_row] = why or "a long row differs on another rank"
-        if length >= 2 and bounded is None:
-            bounded = PaddingFreeChoice(True, one_row, length)
+    with check_precision(model) as precision:  # what the checks below compute in, said in the log
+        for one_row in (preferred, not preferred):
+            problem = check_padding_free(model, batch, one_row)
+            if problem is None and takes_images(model):
+                problem = _image_problem(model, batch, one_row)  # a vision-language model: with real images
+            if not all_ranks_agree(problem is None, accelerator):
+                reasons[one_row] = problem or "not exact on another rank"
+                continue
+            target = longest[one_row]
+            # The short check's rows hold up to CHECK_TOKENS; longer ones run as long as training will lay them out.
+            length, why = check_row_offsets(model, batch, target) if target > CHECK_TOKENS else (target, None)
+            length = _min_over_ranks(length, accelerator)
+            if length >= target:
+                # Verified up to the target, not beyond: a longer row later could read offsets nothing here ran.
+                exact = PaddingFreeChoice(True, one_row, target)
+                break
+            reasons[one_row] = why or "a long row differs on another rank"
+            if length >= 2 and bounded is None:
+                bounded = PaddingFreeChoice(True, one_row, length)
     choice = exact or bounded or PaddingFreeChoice(False)
     others = "".join(f" Not {_layout_name(r)}: {why}." for r, why in reasons.items() if r != choice.one_row)
-    precision = get_check_precision(model)
     if precision.dtype != torch.float32 or precision.training != torch.float32:  # where it is not plain fp32, said
         checked = f" Checked in {precision.describe()}."
         others += checked
@@ -512,13 +514,14 @@ def position_ids_problem(model) -> str | None:
 def check_packing(model, batch, tolerance: float | None = None) -> str | None:
     """Run the first packed row both packed and one sequence at a time; None if every sequence's logits match.
 
-    A model or attention implementation that lets packed sequences attend to each other, or a layer that runs
-    across them (LFM2's short convolution, Jamba's Mamba scan), would silently train on the wrong context. A model
-    whose forward takes no ``position_ids`` (Bloom) cannot tell them apart at all; it is refused without a run. The
-    comparison is each sequence's relative L2 difference, in :func:`get_check_precision`'s dtype (fp32 for fp32
-    weights, autocast off), within :func:`get_tolerance` (1e-6 in fp32: a fresh LFM2 leaks by ~1e-5, under the 1e-4
-    this check once allowed). And, in any precision, the gradient of the row's later sequences' loss must not reach
-    the first sequence's embeddings at all (exactly 0): half precision's bound is wider than such a leak.
+    A model or attention implementation that lets packed sequences attend to each other, or a layer that runs across
+    them (LFM2's short convolution, Jamba's Mamba scan), would silently train on the wrong context. A model whose
+    forward takes no ``position_ids`` (Bloom) cannot tell them apart at all; it is refused without a run. The
+    comparison is each sequence's relative L2 difference, in the check's precision (fp32 for fp32 weights, autocast
+    off: :func:`hfacc.ops.precision.get_check_precision`), within :func:`get_tolerance` (1e-6 in fp32: a fresh LFM2
+    leaks by ~1e-5, under the 1e-4 this check once allowed). And, in any precision, the gradient of the row's later
+    sequences' loss must not reach the first sequence's embeddings at all (exactly 0): half precision's bound is wider
+    than such a leak.
     """
 
     problem = position_ids_problem(get_base_model(model))
@@ -587,9 +590,10 @@ def check_image_layout(
     ``laid`` holds the same sequences in the same order (its ``sequence_ids``, when set, name each position's
     padded row). This is the check that can see what images add to a layout: features assigned to the wrong image
     tokens, 2-D positions computed across sequences, image tokens attending across sequences (Gemma 3's
-    bidirectional image blocks). The logits are compared as relative L2, in :func:`get_check_precision`'s dtype, within
-    :func:`get_tolerance` (1e-6 in fp32; the four families of tests/vision_families.py differ by 8e-8 and less where
-    the layout is right, by 0.13 and more where it is not).
+    bidirectional image blocks). The logits are compared as relative L2, in the check's precision
+    (:func:`hfacc.ops.precision.get_check_precision`), within :func:`get_tolerance` (1e-6 in fp32; the four
+    families of tests/vision_families.py differ by 8e-8 and less where the layout is right, by 0.13 and more where
+    it is not).
     """
     if laid is None:
         return "the batch with its images cannot be laid out without padding"
