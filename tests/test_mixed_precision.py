@@ -153,8 +153,11 @@ def vlm_run():
     return Run(model_for(family), examples_for(family), DataCollatorForVisionLM(processor_for(family)), {})
 
 
-# Each objective's tiny run; an objective of this round (distillation, reward models, KTO) joins with one entry here:
-# a function returning the Run of 8 examples that its own tests train (a teacher or reference inside its objective).
+# Each objective's tiny run. An objective of this round (distillation, reward models, KTO) joins with one entry:
+# a function returning the Run of 8 examples its own tests train (collated by its collator; a teacher or reference
+# given inside its objective), e.g. "distillation": distillation_run. The test trains it at bs 8 x GA 1 in fp32 and
+# bf16 and at bs 4 x GA 2 in bf16, and asserts padding-free in each (an objective without padding-free support
+# belongs elsewhere).
 BF16_RUNS = {"sft": sft_run, "dpo": dpo_run, "grpo": grpo_run, "vlm": vlm_run}
 
 
