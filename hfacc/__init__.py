@@ -38,8 +38,10 @@ from .data.vision import DataCollatorForVisionLM, get_processor
 from .generation.evaluation import generate_answers
 from .models.loading import ModelArguments, apply_lora, get_tokenizer, load_causal_lm
 from .models.reference import precompute_reference_logps
+from .models.teacher import precompute_teacher_logprobs
 from .objectives import (
     CausalLMObjective,
+    DistillationObjective,
     DPOObjective,
     FunctionObjective,
     LossFunctionObjective,
@@ -124,6 +126,9 @@ __all__ = [
     "LossFunctionObjective",
     "DPOObjective",
     "get_objective",
+    # knowledge distillation (from a teacher, from stored top-K log-probs)
+    "DistillationObjective",
+    "precompute_teacher_logprobs",
     # online policy gradients (GRPO, DAPO, Dr. GRPO)
     "PolicyGradientObjective",
     "GRPOTrainer",
