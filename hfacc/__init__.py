@@ -72,6 +72,7 @@ from .runtime.memory import peak_memory
 from .training.accumulation import MicroBatch, accumulation_window, iter_windows
 from .training.arguments import TokenWeightedArguments
 from .training.audit import AccumulationAuditCallback
+from .training.distill_trainer import DistillationArguments, DistillationTrainer
 from .training.grpo_trainer import GRPOArguments, GRPOTrainer
 from .training.step_gate import NonFiniteLossError
 from .training.trainer import TokenWeightedTrainer
@@ -129,6 +130,8 @@ __all__ = [
     # knowledge distillation (from a teacher, from stored top-K log-probs)
     "DistillationObjective",
     "precompute_teacher_logprobs",
+    "DistillationTrainer",
+    "DistillationArguments",
     # online policy gradients (GRPO, DAPO, Dr. GRPO)
     "PolicyGradientObjective",
     "GRPOTrainer",

@@ -7,6 +7,7 @@ cross-entropy, their sum over all targets divided by their count, and its gradie
 
 from __future__ import annotations
 
+import copy
 import random
 
 import torch
@@ -17,17 +18,17 @@ from tests.helpers import flat_grad, pad
 VOCAB = 64
 
 
-def make_student(seed=0, vocab=VOCAB):
+def make_student(seed=0, vocab=VOCAB, init=0.2):
     from hfacc import build_tiny_llama
 
     # initializer_range 0.2: peaked next-token distributions, so the divergence is far from 0 and the check sensitive
-    return build_tiny_llama(vocab_size=vocab, hidden_size=32, num_layers=1, seed=seed, initializer_range=0.2)
+    return build_tiny_llama(vocab_size=vocab, hidden_size=32, num_layers=1, seed=seed, initializer_range=init)
 
 
-def make_teacher(rows=VOCAB, seed=1):
+def make_teacher(rows=VOCAB, seed=1, init=0.2):
     from hfacc import build_tiny_llama
 
-    return build_tiny_llama(vocab_size=rows, hidden_size=48, num_layers=2, seed=seed, initializer_range=0.2)
+    return build_tiny_llama(vocab_size=rows, hidden_size=48, num_layers=2, seed=seed, initializer_range=init)
 
 
 def uneven_examples(n=8, seed=3, vocab=VOCAB):
@@ -59,15 +60,17 @@ def divergence(student_logps, teacher_logps, beta):
 def big_batch(student, teacher, examples, *, beta, temperature, ce_weight, top_k=None, vocab=VOCAB):
     """``(gradient, loss, teacher_agreement)`` of one big batch of ``examples``; ``top_k``: the teacher's top-K
     support (both distributions restricted to it and renormalized), None: the full vocabulary (the first
-    ``vocab`` rows of each model's logits)."""
+    ``vocab`` rows of each model's logits). In float64 (``student`` is converted in place, the teacher copied), so
+    that what the comparison measures is the trained path's fp32 rounding alone."""
     batch = pad(examples)
-    student.zero_grad()
+    student.double().zero_grad()
+    teacher = copy.deepcopy(teacher).double()
     s = student(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, :vocab]
     with torch.no_grad():
         t = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, :vocab]
     y = batch["labels"][:, 1:]
     m = y != -100
-    s, t, y = s[m].float(), t[m].float(), y[m]
+    s, t, y = s[m], t[m], y[m]
     if top_k is None:
         student_logps, teacher_logps = (s / temperature).log_softmax(-1), (t / temperature).log_softmax(-1)
         teacher_top = t.argmax(-1)
@@ -81,4 +84,4 @@ def big_batch(student, teacher, examples, *, beta, temperature, ce_weight, top_k
     loss = (d + ce_weight * ce).sum() / m.sum()
     loss.backward()
     agreement = (s.argmax(-1) == teacher_top).float().mean().item()
-    return flat_grad(student), loss.item(), agreement
+    return flat_grad(student).float(), loss.item(), agreement
