@@ -38,7 +38,7 @@ from ..ops.logprobs import HiddenStatesHead, chunk_logits
 from ..ops.loss import IGNORE_INDEX, shift_labels
 from ..ops.model_io import get_base_model, get_logits, model_inputs
 from ..runtime.config import ConfigError
-from .reference import build_reference_model, sharded_engine, unwrap_model
+from .reference import build_reference_model, reshard, sharded_engine, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -105,11 +105,13 @@ class TeacherModel:
         vocab_size: the vocabulary shared with the student: the teacher's logits are cut to its first
             ``vocab_size`` tokens.
         fused: take the logits from the final hidden states in chunks; None decides on the first batch.
-        copy_weight: keep a copy of the (gathered) projection for the student's loss: the teacher is sharded.
     """
 
-    def __init__(self, module: nn.Module, vocab_size: int, *, fused: bool | None = None, copy_weight: bool = False):
-        self.module, self.vocab_size, self.fused, self.copy_weight = module, vocab_size, fused, copy_weight
+    def __init__(self, module: nn.Module, vocab_size: int, *, fused: bool | None = None):
+        self.module, self.vocab_size, self.fused = module, vocab_size, fused
+        # Sharded (ZeRO-3, FSDP2): the projection is whole only inside its forward, so the student's loss reads a copy.
+        self.sharded = sharded_engine(module)
+        self.copy_weight = self.sharded is not None
 
     @torch.no_grad()
     def rows(self, inputs: Mapping[str, Any], mask: torch.Tensor) -> TeacherRows:
@@ -130,6 +132,8 @@ class TeacherModel:
                 module(**inputs)
         finally:
             module.train(was_training)
+            if self.sharded == "FSDP2":
+                reshard(module)  # its root would stay gathered after the forward: no backward follows
         return TeacherRows(hidden=head.hidden, weight=head.weight, bias=head.bias)
 
     @torch.no_grad()
@@ -153,6 +157,8 @@ class TeacherModel:
                 return f"the teacher's forward without its logits failed ({type(err).__name__}: {err})"
         finally:
             module.train(was_training)
+            if self.sharded == "FSDP2":
+                reshard(module)
         chunked = chunk_logits(head.hidden, head.weight, head.bias)
         scale = plain.abs().max().clamp(min=1.0) if plain.numel() else 1.0
         difference = float((chunked - plain).abs().max() / scale) if plain.numel() else 0.0
@@ -256,7 +262,7 @@ def build_teacher(
     else:
         module = build_reference_model(student, teacher, accelerator).module
     logger.info("hfacc: teacher %s, frozen, vocabulary of %d tokens.", type(get_base_model(module)).__name__, shared)
-    return TeacherModel(module, shared, copy_weight=sharded_engine(module) is not None)
+    return TeacherModel(module, shared)
 
 
 def get_tokenizer_length(tokenizer) -> int | None:
@@ -350,8 +356,7 @@ def precompute_teacher_logprobs(
     if top_k > teacher.vocab_size:
         raise ValueError(f"top_k={top_k} exceeds the vocabulary ({teacher.vocab_size} tokens).")
     device = torch.device(device) if device is not None else next(module.parameters()).device
-    collate = DataCollatorForCausalLM(pad_token_id)
-    rows = dataset.select_columns(["input_ids", "labels"])
+    rows = dataset.select_columns([c for c in ("input_ids", "labels", "position_ids") if c in dataset.column_names])
     cache = _BlockCache(cache_dir, rows, teacher, top_k, block_size) if cache_dir else None
     done = cache.done_rows() if cache else 0
     bar = tqdm(total=len(rows), initial=done, desc="Teacher log-probs", unit="row", disable=not show_progress)
@@ -366,7 +371,7 @@ def precompute_teacher_logprobs(
         block_ids, block_logps = [], []
         for start in range(block_start, block_stop, batch_size):
             part = [rows[i] for i in range(start, min(start + batch_size, block_stop))]
-            ids, logps = _topk_rows(teacher, collate(part), top_k, device)
+            ids, logps = _topk_rows(teacher, part, top_k, device, pad_token_id)
             block_ids += ids
             block_logps += logps
             bar.update(len(part))
@@ -382,10 +387,12 @@ def precompute_teacher_logprobs(
     return dataset.add_column(TEACHER_COLUMNS[1], logps_column, feature=features_logps)
 
 
-def _topk_rows(teacher: TeacherModel, batch, top_k: int, device) -> tuple[list, list]:
-    """Per row of ``batch``: ``[T, K]`` ids and log-probs (zeros where a token is no target)."""
+def _topk_rows(teacher: TeacherModel, part: list[dict], top_k: int, device, pad_token_id: int = 0):
+    """Per example of ``part``: ``[T, K]`` ids and log-probs (zeros where a token is no target)."""
+    batch = DataCollatorForCausalLM(pad_token_id)(part)
     batch = {k: v.to(device) for k, v in batch.items()}
-    targets = shift_labels(batch["labels"], attention_mask=batch["attention_mask"])
+    positions = batch.get("position_ids")  # packed rows: the shift never crosses a sequence boundary
+    targets = shift_labels(batch["labels"], position_ids=positions, attention_mask=batch.get("attention_mask"))
     mask = targets != IGNORE_INDEX
     found = teacher.rows(model_inputs(batch), mask)
     n = int(mask.sum())
@@ -404,7 +411,7 @@ def _topk_rows(teacher: TeacherModel, batch, top_k: int, device) -> tuple[list, 
     shifted = torch.zeros_like(mask)
     shifted[:, 1:] = mask[:, :-1]
     out_ids[shifted], out_logps[shifted] = ids, logps
-    lengths = batch["attention_mask"].sum(-1).tolist()  # right padding: row i's tokens are its first lengths[i]
+    lengths = [len(e["input_ids"]) for e in part]  # right padding: row i's tokens are its first lengths[i]
     ids_rows = [out_ids[i, : lengths[i]].tolist() for i in range(len(lengths))]
     logps_rows = [out_logps[i, : lengths[i]].tolist() for i in range(len(lengths))]
     return ids_rows, logps_rows
