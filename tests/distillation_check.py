@@ -181,6 +181,7 @@ def zero3_cases(run_trainer_case) -> dict:
             "teacher_partitioned": all(hasattr(p, "ds_shape") for p in module.parameters()),
             "teacher_partition_numel": sum(p.ds_tensor.numel() for p in module.parameters()),
             "teacher_numel": sum(p.ds_numel for p in module.parameters()),
+            "padding_free": trainer.padding_free,  # the teacher runs on the student's padding-free rows
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
         }
     }

@@ -254,5 +254,5 @@ def test_fsdp2_distillation_teacher_is_sharded_like_the_student(fsdp2):
 def test_zero3_distillation_teacher_is_partitioned_like_the_student(zero3):
     r = zero3["distillation"]["distill teacher"]
     assert r["world_size"] == 2 and r["grad_error"] <= GRAD_TOL and r["loss_error"] <= LOSS_TOL
-    assert r["fused"] and r["teacher_fused"] and r["teacher_partitioned"]
+    assert r["fused"] and r["teacher_fused"] and r["teacher_partitioned"] and r["padding_free"]
     assert r["teacher_partition_numel"] <= r["teacher_numel"] // 2 + 64

@@ -65,6 +65,7 @@ def check_padding_free(
     one_row: bool | None = None,
     tolerance: float | None = None,
     max_tokens: int = CHECK_TOKENS,
+    gradient: bool = True,
 ) -> str | None:
     """Run a few sequences padded and padding-free, forward and backward; None if the layout is exact, else why not.
 
@@ -85,7 +86,8 @@ def check_padding_free(
       logits of the others must not move beyond rounding (1 eps relative; bit for bit on a model that keeps them
       apart, unless it regroups tokens, as a mixture of experts does).
 
-    The model runs in eval mode (dropout would make any two runs differ). The rows here are short; where training
+    ``gradient=False`` compares the forward only, for a frozen model no backward ever runs through (a distillation
+    teacher). The model runs in eval mode (dropout would make any two runs differ). The rows here are short; where training
     lays sequences far into a row, :func:`check_row_offsets` checks those offsets.
     """
     problem = position_ids_problem(get_base_model(model))
@@ -106,8 +108,8 @@ def check_padding_free(
     was_training = model.training
     model.eval()
     try:
-        reference = _run_check(model, padded, with_grad=True)
-        laid = _run_check(model, row, with_grad=True)
+        reference = _run_check(model, padded, with_grad=gradient)
+        laid = _run_check(model, row, with_grad=gradient)
         moved = _run_check(model, {**row, "input_ids": other}, with_grad=False)
     except Exception as err:  # a model whose forward does something unexpected with position_ids
         return f"the padding-free forward failed ({type(err).__name__}: {err})"

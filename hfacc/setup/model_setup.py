@@ -134,10 +134,10 @@ def build_model_setup(
 
 def _check_companion_layouts(setup: ModelSetup, objective: Objective, batch, accelerator) -> None:
     """The padding-free layout chosen for the trained model, checked on the frozen models the objective runs in it
-    (:func:`hfacc.setup.layout_check.check_padding_free`, and as long a row as training lays out); where one of them
-    does not compute it as it computes padded batches, every micro-batch stays padded, said at WARNING."""
+    (:func:`hfacc.setup.layout_check.check_padding_free`, forward only, and as long a row as training lays out); where
+    one of them does not compute it as it computes padded batches, every micro-batch stays padded, said at WARNING."""
     for companion in objective.companion_models():
-        problem = check_padding_free(companion, batch, setup.one_row)
+        problem = check_padding_free(companion, batch, setup.one_row, gradient=False)  # frozen: no backward
         if problem is None and setup.max_row_length > CHECK_TOKENS:
             length, why = check_row_offsets(companion, batch, setup.max_row_length)
             problem = why if length < setup.max_row_length else None
