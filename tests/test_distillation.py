@@ -384,3 +384,14 @@ def test_a_teacher_that_cannot_take_padding_free_rows_keeps_them_padded(data, ca
     assert "does not take the padding-free layout" in caplog.text
     want, _, _ = big_batch(make_student(), leaky, data["examples"], beta=0.5, temperature=1.0, ce_weight=0.0)
     assert relative_error(capture.grads[0], want) <= TOL
+
+
+def test_hfacc_verify_objective_distill_passes_and_shows_the_mean_of_means(capsys):
+    """`hfacc verify --objective distill` (docs/distillation.md) on a small embedded student and its bigger teacher."""
+    from hfacc.cli import main as cli_main
+
+    code = cli_main(["verify", "--objective", "distill", "--beta", "0.5", "--ce_weight", "0.5",
+                     "--embedded_hidden_size", "32", "--embedded_num_layers", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "PASS" in out and "chunked divergence from both models' final hidden states" in out
+    assert "objective   distill" in out and "mean of micro-batch means" in out

@@ -83,6 +83,14 @@ COMMANDS = {
         "skip",
         "the DPO job (~2 min with its short SFT); tests/test_recipe_dpo.py runs the same recipe shortened",
     ),
+    "hfacc distill": (
+        "skip",
+        "the distillation job (~4 min with a teacher's short SFT); tests/test_recipe_distill.py runs it shortened",
+    ),
+    "hfacc verify --objective distill --beta 0.5 --ce_weight 0.5": (
+        "skip",
+        "the same verify runs in process, on a smaller embedded student, in tests/test_distillation.py",
+    ),
     "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
         "skip",
         "downloads Qwen2.5-0.5B-Instruct and its dataset from the Hub",
