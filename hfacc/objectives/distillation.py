@@ -167,17 +167,24 @@ def distillation_terms(
     >>> terms.divergence.item(), round(terms.ce.item(), 4), terms.agree.item()
     (0.0, 0.2395, True)
     """
-    if teacher_ids is not None:
-        student_logps, teacher_logps = topk_support(student_logits, teacher_ids, teacher_logprobs, temperature)
-        teacher_top = teacher_ids.gather(-1, teacher_logprobs.argmax(-1, keepdim=True)).squeeze(-1)
-    else:
-        student_logps = (student_logits / temperature).log_softmax(-1)
-        teacher_logps = (teacher_logits.to(student_logits.dtype) / temperature).log_softmax(-1)
-        teacher_top = teacher_logits.argmax(-1)
+    student_logps, teacher_logps, teacher_top = _distributions(
+        student_logits, teacher_logits, teacher_ids, teacher_logprobs, temperature
+    )
     divergence = generalized_jsd(student_logps, teacher_logps, beta)
     ce, _ = cross_entropy_terms(student_logits, targets, label_smoothing)
     top = student_logits.detach().argmax(-1)
     return DistillationTerms(divergence, ce, top == targets, top == teacher_top)
+
+
+def _distributions(student_logits, teacher_logits, teacher_ids, teacher_logprobs, temperature):
+    """``(student_logps, teacher_logps, teacher_top1)``: both tempered distributions over the full vocabulary, or
+    over the teacher's stored top-K (:func:`topk_support`), and the teacher's likeliest token."""
+    if teacher_ids is not None:
+        student_logps, teacher_logps = topk_support(student_logits, teacher_ids, teacher_logprobs, temperature)
+        return student_logps, teacher_logps, teacher_ids.gather(-1, teacher_logprobs.argmax(-1, keepdim=True))[:, 0]
+    student_logps = (student_logits / temperature).log_softmax(-1)
+    teacher_logps = (teacher_logits.to(student_logits.dtype) / temperature).log_softmax(-1)
+    return student_logps, teacher_logps, teacher_logits.argmax(-1)
 
 
 def distillation_chunk(
@@ -201,13 +208,9 @@ def distillation_chunk(
     CE, correct, agree (:class:`DistillationTerms`, as floats). No autograd: it runs inside the chunked kernel's
     forward.
     """
-    if teacher_ids is not None:
-        student_logps, teacher_logps = topk_support(student_logits, teacher_ids, teacher_logprobs, temperature)
-        teacher_top = teacher_ids.gather(-1, teacher_logprobs.argmax(-1, keepdim=True)).squeeze(-1)
-    else:
-        student_logps = (student_logits / temperature).log_softmax(-1)
-        teacher_logps = (teacher_logits / temperature).log_softmax(-1)
-        teacher_top = teacher_logits.argmax(-1)
+    student_logps, teacher_logps, teacher_top = _distributions(
+        student_logits, teacher_logits, teacher_ids, teacher_logprobs, temperature
+    )
     divergence = generalized_jsd(student_logps, teacher_logps, beta)
     ce, lse = cross_entropy_terms(student_logits, targets, label_smoothing)
     top = student_logits.argmax(-1)
