@@ -71,6 +71,20 @@ def ddp_cases(tmp) -> dict:
             "padding_free": trainer.padding_free,
         }
     out["local_targets"] = [sum(sum(1 for y in e["labels"][1:] if y != -100) for e in examples[r::2]) for r in (0, 1)]
+    # Evaluation over 7 examples on 2 ranks (accelerate repeats one to fill the last batch): every target once.
+    seven = examples[:7]
+    _, loss, agreement = big_batch(make_student(), teacher, seven, beta=0.5, temperature=1.0, ce_weight=0.0)
+    args = train_args(tmp, 2, 1, args_class=TokenWeightedArguments, per_device_eval_batch_size=2, ddp_timeout=120)
+    metrics = TokenWeightedTrainer(
+        model=make_student(), args=args, eval_dataset=Dataset.from_list(seven), data_collator=COLLATE,
+        objective=DistillationObjective(teacher, beta=0.5),
+    ).evaluate()  # fmt: skip
+    out["evaluation"] = {
+        "loss_error": abs(metrics["eval_loss"] - loss) / loss,
+        "agreement_error": abs(metrics["eval_teacher_agreement"] - agreement),
+        "num_targets": metrics["eval_num_targets"],
+        "want_targets": sum(sum(1 for y in e["labels"][1:] if y != -100) for e in seven),
+    }
     out["on-policy lmbda0.5"] = on_policy_case(tmp)
     return out
 

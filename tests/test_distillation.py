@@ -271,6 +271,22 @@ def test_the_update_is_the_big_batch_update(data, beta, temperature, ce_weight, 
         assert trainer.objective.teacher.fused  # nor the teacher's
 
 
+@pytest.mark.parametrize("source", ["teacher", "topk"])
+def test_evaluation_is_the_token_mean_of_every_term(data, source):
+    trainer = TokenWeightedTrainer(
+        model=make_student(), args=train_args("unused", 2, 1, args_class=TokenWeightedArguments,
+                                              per_device_eval_batch_size=3),
+        eval_dataset=Dataset.from_list(data["examples"]) if source == "teacher" else data["topk"],
+        data_collator=COLLATE, objective=DistillationObjective(data["teacher"] if source == "teacher" else None, 0.5),
+    )  # fmt: skip
+    metrics = trainer.evaluate()
+    _, loss, agreement = big_batch(make_student(), data["teacher"], data["examples"], beta=0.5, temperature=1.0,
+                                   ce_weight=0.0, top_k=8 if source == "topk" else None)  # fmt: skip
+    assert metrics["eval_loss"] == pytest.approx(loss, rel=1e-5) == metrics["eval_divergence"]
+    assert metrics["eval_teacher_agreement"] == pytest.approx(agreement, abs=1e-9)
+    assert metrics["eval_num_targets"] == sum(sum(1 for y in e["labels"][1:] if y != -100) for e in data["examples"])
+
+
 def test_the_per_micro_batch_mean_is_not_the_big_batch(data):
     """The negative control: each micro-batch's mean over k (torchtune, TRL without num_items) at bs 1 x GA 8."""
     want, _, _ = big_batch(make_student(), data["teacher"], data["examples"], beta=0.5, temperature=1.0, ce_weight=0)

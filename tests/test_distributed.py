@@ -107,3 +107,8 @@ def test_on_policy_distillation_is_exact_on_two_ranks(results):
     """DistillationTrainer, lmbda 0.5: each step's update is the big batch of the rows both ranks trained in it."""
     r = results["distillation"]["on-policy lmbda0.5"]
     assert len(r["grad_errors"]) == 2 and max(r["grad_errors"]) <= TOL
+
+
+def test_distillation_evaluation_counts_every_target_once_on_two_ranks(results):
+    r = results["distillation"]["evaluation"]
+    assert r["num_targets"] == r["want_targets"] and r["loss_error"] <= 1e-5 and r["agreement_error"] <= 1e-9
