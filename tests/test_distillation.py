@@ -322,8 +322,12 @@ def test_a_teacher_padded_beyond_the_vocabulary_is_cut_to_it(data):
 
 # ---- bad input: one named error before training -----------------------------------------------------------------
 def test_no_teacher_and_no_stored_columns_is_one_error(data):
+    """Raised where the trainer is made, before any row is collated (and at setup for rows given otherwise)."""
     with pytest.raises(ValueError, match="has no teacher: pass teacher_model"):
-        run_case({**data, "teacher": None}, 1.0, 1.0, 0.0, "teacher", "padded", 2, 4)
+        TokenWeightedTrainer(
+            model=make_student(), args=train_args("unused", 2, 4, args_class=TokenWeightedArguments),
+            train_dataset=Dataset.from_list(data["examples"]), data_collator=COLLATE, objective=DistillationObjective(),
+        )  # fmt: skip
 
 
 def test_a_teacher_of_another_vocabulary_is_one_error(data):

@@ -347,11 +347,7 @@ class DistillationObjective(CausalLMObjective):
                 )
             return
         if self.teacher_model is None:
-            raise ValueError(
-                "DistillationObjective has no teacher: pass teacher_model=<a model or its name/path>, or give the "
-                "training rows the teacher's stored top-K log-probs (target_token_ids, target_logprobs columns: "
-                "hfacc.precompute_teacher_logprobs(dataset, teacher, top_k=...))."
-            )
+            raise ValueError(self._no_teacher)
         self.teacher = build_teacher(
             context.model,
             self.teacher_model,
@@ -375,8 +371,11 @@ class DistillationObjective(CausalLMObjective):
     def check_data(self, dataset, name: str = "the training data") -> None:
         """Stored teacher columns, where the rows have them: one ``[K]`` list per token, one K, ids in the vocabulary
         (:func:`hfacc.models.teacher.check_stored_columns`); the vocabulary is checked again once it is known."""
-        if dataset is not None and TEACHER_COLUMNS[0] in (getattr(dataset, "column_names", None) or ()):
+        columns = getattr(dataset, "column_names", None) or ()
+        if dataset is not None and TEACHER_COLUMNS[0] in columns:
             check_stored_columns(dataset, self.vocab_size, name)
+        elif self.teacher_model is None and "input_ids" in columns:
+            raise ValueError(self._no_teacher)
 
     def companion_models(self) -> list[nn.Module]:
         """The teacher: it runs on every micro-batch in the student's layout, so the layout checks run it too."""
@@ -480,6 +479,12 @@ class DistillationObjective(CausalLMObjective):
         }
 
     # ---- helpers -----------------------------------------------------------------------------------------------
+    _no_teacher = (
+        "DistillationObjective has no teacher: pass teacher_model=<a model or its name/path>, or give the training "
+        "rows the teacher's stored top-K log-probs (target_token_ids, target_logprobs columns: "
+        "hfacc.precompute_teacher_logprobs(dataset, teacher, top_k=...))."
+    )
+
     def _inputs(self, batch):
         inputs = {k: v for k, v in model_inputs(batch).items() if k not in (*TEACHER_COLUMNS, "target_mask")}
         if packed_position_ids(inputs) is not None:
