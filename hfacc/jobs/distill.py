@@ -30,7 +30,7 @@ from ..data.collator import DataCollatorForCausalLM
 from ..data.sft import DataArguments, build_datasets
 from ..generation.evaluation import exact_match_by_group, exact_match_on_conversations
 from ..models.loading import ModelArguments, load_causal_lm, load_model_and_tokenizer
-from ..models.teacher import precompute_teacher_logprobs
+from ..models.teacher import check_teacher_tokenizer, precompute_teacher_logprobs
 from ..objectives.distillation import DistillationObjective
 from ..runtime.config import ConfigError, get_default_config
 from ..training.distill_trainer import DistillationArguments, DistillationTrainer
@@ -107,8 +107,8 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
             f"lmbda={args.lmbda} with --dataset_name: this job samples on-policy from the embedded conversations only; "
             "for your prompts use hfacc.DistillationTrainer (docs/distillation.md), or set --lmbda 0."
         )
-    teacher, teacher_source = load_teacher(job, model_args, data_args, args)
     student, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
+    teacher, teacher_source = load_teacher(job, model_args, data_args, args, tokenizer)
     with args.main_process_first(desc="dataset tokenization"):
         train_ds, eval_ds, raw_eval = build_datasets(data_args, tokenizer, seed=args.seed)
     teacher_in_memory = teacher
@@ -179,11 +179,17 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
 
 
 def load_teacher(
-    job: DistillJobArguments, model_args: ModelArguments, data_args: DataArguments, args: DistillationArguments
+    job: DistillJobArguments,
+    model_args: ModelArguments,
+    data_args: DataArguments,
+    args: DistillationArguments,
+    tokenizer=None,
 ):
     """``(teacher, where from)``: the model named, the SFT recipe's output, or a short SFT of a bigger embedded model
-    run here first (the SFT recipe's data and schedule, cut to ``teacher_sft_max_steps``)."""
+    run here first (the SFT recipe's data and schedule, cut to ``teacher_sft_max_steps``). A teacher from a folder
+    or the Hub whose tokenizer is not the student's is a ConfigError before anything trains."""
     if job.teacher_model_name_or_path is not None:
+        check_teacher_tokenizer(job.teacher_model_name_or_path, tokenizer)
         return load_causal_lm(job.teacher_model_name_or_path), f"from {job.teacher_model_name_or_path}"
     if model_args.model_name_or_path is not None:
         raise ConfigError(
@@ -192,6 +198,7 @@ def load_teacher(
         )
     directory = Path(job.teacher_sft_dir)
     if (directory / "config.json").is_file():
+        check_teacher_tokenizer(str(directory), tokenizer)
         return load_causal_lm(str(directory), dtype="float32"), f"from {directory}"
     directory = Path(args.output_dir) / "teacher"
     if args.process_index == 0:
