@@ -415,3 +415,18 @@ def test_hfacc_verify_objective_distill_passes_and_shows_the_mean_of_means(capsy
     out = capsys.readouterr().out
     assert code == 0 and "PASS" in out and "chunked divergence from both models' final hidden states" in out
     assert "objective   distill" in out and "mean of micro-batch means" in out
+
+
+def test_a_teacher_folder_with_another_tokenizer_is_one_error(tmp_path):
+    from hfacc.data.embedded import build_bpe_tokenizer
+    from hfacc.models.teacher import check_teacher_tokenizer
+
+    def tokenizer(corpus):
+        return build_bpe_tokenizer(corpus, 300, ["<pad>", "<eos>"], eos_token="<eos>", pad_token="<pad>")
+
+    mine = tokenizer(["the student and the teacher share one tokenizer"] * 20)
+    mine.save_pretrained(tmp_path / "same")
+    check_teacher_tokenizer(str(tmp_path / "same"), mine)  # the same vocabulary: no error
+    tokenizer(["an entirely different corpus gives other merges, other ids"] * 20).save_pretrained(tmp_path / "other")
+    with pytest.raises(ConfigError, match="its tokenizer has another vocabulary than the student's"):
+        check_teacher_tokenizer(str(tmp_path / "other"), mine)
