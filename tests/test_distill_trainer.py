@@ -6,6 +6,8 @@ is one big batch of them. The learning rate is 0, so every step starts from the 
 tests/distillation_check.py (in tests/test_distributed.py's launch).
 """
 
+import tempfile
+
 import pytest
 import torch
 from datasets import Dataset
@@ -15,6 +17,7 @@ from tests.distillation_reference import big_batch, make_student, make_teacher
 from tests.helpers import CaptureGradients, relative_error, train_args
 
 TOL = 1e-6
+OUT = tempfile.mkdtemp()  # the trainers' output_dir (they save nothing: save_strategy 'no')
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def run(setting, lmbda, beta=0.5, temperature=1.0, ce_weight=0.0, steps=2):
     student = eos_prone_student(tokenizer)
     capture = CaptureGradients(student)
     args = train_args(
-        "unused", 2, 2, args_class=DistillationArguments, lmbda=lmbda, beta=beta, temperature=temperature,
+        OUT, 2, 2, args_class=DistillationArguments, lmbda=lmbda, beta=beta, temperature=temperature,
         ce_weight=ce_weight, max_completion_length=12, max_steps=steps, loss_chunk_size=16, seed=3,
     )  # fmt: skip
     trainer = DistillationTrainer(
@@ -115,8 +118,8 @@ def test_the_generated_tokens_are_counted_not_the_datasets(setting):
 def test_bad_settings_are_one_error(setting):
     tokenizer, prompts, teacher = setting
     with pytest.raises(ValueError, match="lmbda=1.5"):
-        train_args("unused", 1, 1, args_class=DistillationArguments, lmbda=1.5)
-    args = train_args("unused", 1, 1, args_class=DistillationArguments, lmbda=0.5)
+        train_args(OUT, 1, 1, args_class=DistillationArguments, lmbda=1.5)
+    args = train_args(OUT, 1, 1, args_class=DistillationArguments, lmbda=0.5)
     with pytest.raises(ValueError, match="has no 'completion' column"):
         DistillationTrainer(make_student(vocab=len(tokenizer), init=0.1), teacher, args,
                             train_dataset=prompts.remove_columns("completion"), processing_class=tokenizer)  # fmt: skip

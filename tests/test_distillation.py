@@ -13,6 +13,7 @@ covering set of cases: every (beta, temperature, ce_weight) once or more, each s
 
 import logging
 import math
+import tempfile
 
 import pytest
 import torch
@@ -42,6 +43,7 @@ from tests.distillation_reference import VOCAB, big_batch, make_student, make_te
 from tests.helpers import CaptureGradients, relative_error, train_args
 
 TOL = 1e-6
+OUT = tempfile.mkdtemp()  # the trainers' output_dir (they save nothing: save_strategy 'no')
 COLLATE = DataCollatorForCausalLM(pad_token_id=0)
 
 
@@ -240,7 +242,7 @@ def run_case(data, beta, temperature, ce_weight, source, layout, bs, ga, **objec
         ga = -(-len(dataset) // bs)  # every packed row in the one window
     capture = CaptureGradients(student)
     args = train_args(
-        "unused", bs, ga, args_class=TokenWeightedArguments, padding_free=layout == "padding_free", loss_chunk_size=16
+        OUT, bs, ga, args_class=TokenWeightedArguments, padding_free=layout == "padding_free", loss_chunk_size=16
     )
     teacher = data["teacher"] if source == "teacher" else None
     objective = DistillationObjective(teacher, beta, temperature, ce_weight, **objective_options)
@@ -274,7 +276,7 @@ def test_the_update_is_the_big_batch_update(data, beta, temperature, ce_weight, 
 @pytest.mark.parametrize("source", ["teacher", "topk"])
 def test_evaluation_is_the_token_mean_of_every_term(data, source):
     trainer = TokenWeightedTrainer(
-        model=make_student(), args=train_args("unused", 2, 1, args_class=TokenWeightedArguments,
+        model=make_student(), args=train_args(OUT, 2, 1, args_class=TokenWeightedArguments,
                                               per_device_eval_batch_size=3),
         eval_dataset=Dataset.from_list(data["examples"]) if source == "teacher" else data["topk"],
         data_collator=COLLATE, objective=DistillationObjective(data["teacher"] if source == "teacher" else None, 0.5),
@@ -294,7 +296,7 @@ def test_the_per_micro_batch_mean_is_not_the_big_batch(data):
     for normalization in ("token", "micro_batch"):
         student = make_student()
         capture = CaptureGradients(student)
-        args = train_args("unused", 1, 8, args_class=TokenWeightedArguments, normalization=normalization)
+        args = train_args(OUT, 1, 8, args_class=TokenWeightedArguments, normalization=normalization)
         TokenWeightedTrainer(
             model=student, args=args, train_dataset=Dataset.from_list(data["examples"]), data_collator=COLLATE,
             objective=DistillationObjective(data["teacher"], beta=0.5), callbacks=[capture],
@@ -311,7 +313,7 @@ def test_a_teacher_padded_beyond_the_vocabulary_is_cut_to_it(data):
         padded.lm_head.weight[VOCAB:] = 10 * padded.lm_head.weight[:16]
     student = make_student()
     capture = CaptureGradients(student)
-    args = train_args("unused", 2, 4, args_class=TokenWeightedArguments)
+    args = train_args(OUT, 2, 4, args_class=TokenWeightedArguments)
     TokenWeightedTrainer(
         model=student, args=args, train_dataset=Dataset.from_list(data["examples"]), data_collator=COLLATE,
         objective=DistillationObjective(padded, beta=1.0, vocab_size=VOCAB), callbacks=[capture],
@@ -325,7 +327,7 @@ def test_no_teacher_and_no_stored_columns_is_one_error(data):
     """Raised where the trainer is made, before any row is collated (and at setup for rows given otherwise)."""
     with pytest.raises(ValueError, match="has no teacher: pass teacher_model"):
         TokenWeightedTrainer(
-            model=make_student(), args=train_args("unused", 2, 4, args_class=TokenWeightedArguments),
+            model=make_student(), args=train_args(OUT, 2, 4, args_class=TokenWeightedArguments),
             train_dataset=Dataset.from_list(data["examples"]), data_collator=COLLATE, objective=DistillationObjective(),
         )  # fmt: skip
 
