@@ -3,7 +3,7 @@
 hfacc sft                                      # the job of `accelerate launch recipes/sft.py` (hfacc/jobs/sft.py)
 hfacc dpo                                      # the job of `accelerate launch recipes/dpo.py` (hfacc/jobs/dpo.py)
 hfacc grpo                                     # the job of `accelerate launch recipes/grpo.py` (hfacc/jobs/grpo.py)
-hfacc distill                                  # the job of `accelerate launch recipes/distill.py` (hfacc/jobs/distill.py)
+hfacc distill                                  # the job of recipes/distill.py (hfacc/jobs/distill.py)
 hfacc verify                                   # embedded tiny Llama and data: PASS/FAIL in seconds
 hfacc verify --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name my.jsonl --gradient_accumulation_steps 8
 hfacc verify --config recipes/configs/smollm2-135m_full.yaml
@@ -39,19 +39,6 @@ class ShowMaskArguments:
     index: int = field(default=0, metadata={"help": "First example to show."})
     count: int = field(default=2, metadata={"help": "How many examples to show."})
     color: bool = field(default=True, metadata={"help": "Highlight with ANSI colors (False: wrap in [[ ]])."})
-
-
-@dataclass
-class DistillVerifyArguments:
-    """Settings of ``hfacc verify --objective distill`` (the names of ``hfacc distill``)."""
-
-    teacher_model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "--objective distill: the teacher (None with the embedded student: a bigger embedded one)."},
-    )
-    beta: float = field(default=1.0, metadata={"help": "--objective distill: 0 forward KL, 1 reverse KL, else JSD."})
-    temperature: float = field(default=1.0, metadata={"help": "--objective distill: both logits / temperature."})
-    ce_weight: float = field(default=0.0, metadata={"help": "--objective distill: weight of the CE term."})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,7 +86,12 @@ def run_verify(argv: list[str], guard) -> int:
     from .runtime.config import parse_args
     from .training.arguments import TokenWeightedArguments
     from .training.distill_trainer import DistillationArguments
-    from .verify.equivalence import VerifyArguments, verify_accumulation
+    from .verify.equivalence import (
+        DistillVerifyArguments,
+        VerifyArguments,
+        build_verify_distillation,
+        verify_accumulation,
+    )
 
     verify_args, model_args, data_args, distill_args = guard.settings = parse_args(
         [VerifyArguments, ModelArguments, DataArguments, DistillVerifyArguments],
@@ -147,25 +139,6 @@ def run_verify(argv: list[str], guard) -> int:
         fused_loss=verify_args.fused_loss,
     )
     return _finish_verify(report, verify_args, accelerator)
-
-
-def build_verify_distillation(distill_args: DistillVerifyArguments, model_args, tokenizer, seed: int = 0):
-    """The :class:`hfacc.DistillationObjective` ``hfacc verify --objective distill`` checks: the teacher named, or
-    for the embedded student a bigger embedded teacher (random: verify checks the accumulation, not the teacher)."""
-    from .objectives.distillation import DistillationObjective
-    from .runtime.config import ConfigError
-
-    teacher = distill_args.teacher_model_name_or_path
-    if teacher is None:
-        if model_args.model_name_or_path is not None:
-            raise ConfigError("--objective distill: name the teacher with --teacher_model_name_or_path.")
-        from .data.embedded import build_default_model
-
-        teacher = build_default_model(tokenizer, hidden_size=2 * model_args.embedded_hidden_size, seed=seed + 1)
-    return DistillationObjective(
-        teacher, beta=distill_args.beta, temperature=distill_args.temperature, ce_weight=distill_args.ce_weight,
-        vocab_size=len(getattr(tokenizer, "tokenizer", tokenizer)),
-    )  # fmt: skip
 
 
 def _verify_policy_gradient(verify_args, model, tokenizer, examples, accelerator) -> int:

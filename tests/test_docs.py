@@ -83,6 +83,10 @@ COMMANDS = {
         "skip",
         "the DPO job (~2 min with its short SFT); tests/test_recipe_dpo.py runs the same recipe shortened",
     ),
+    "accelerate launch recipes/distill.py": (
+        "skip",
+        "the distillation job (~4 min after the SFT main job); tests/test_recipe_distill.py runs it shortened",
+    ),
     "hfacc distill": (
         "skip",
         "the distillation job (~4 min with a teacher's short SFT); tests/test_recipe_distill.py runs it shortened",

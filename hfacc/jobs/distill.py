@@ -60,8 +60,8 @@ class DistillJobArguments:
     teacher_sft_max_steps: int = field(
         default=300, metadata={"help": "Optimizer steps of the short SFT that makes a teacher when there is none."}
     )
-    teacher_hidden_size: int = field(default=384, metadata={"help": "Hidden size of that embedded teacher."})
-    teacher_num_layers: int = field(default=3, metadata={"help": "Layers of that embedded teacher."})
+    teacher_hidden_size: int = field(default=320, metadata={"help": "Hidden size of that embedded teacher."})
+    teacher_num_layers: int = field(default=2, metadata={"help": "Layers of that embedded teacher."})
     precompute_teacher_logprobs: bool = field(
         default=False,
         metadata={
@@ -104,8 +104,8 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
     set_seed(args.seed)
     if args.lmbda > 0 and data_args.dataset_name is not None:
         raise ConfigError(
-            f"lmbda={args.lmbda} with --dataset_name: this job samples on-policy from the embedded conversations only; "
-            "for your prompts use hfacc.DistillationTrainer (docs/distillation.md), or set --lmbda 0."
+            f"lmbda={args.lmbda} with --dataset_name: this job samples on-policy from the embedded conversations "
+            "only; for your prompts use hfacc.DistillationTrainer (docs/distillation.md), or set --lmbda 0."
         )
     student, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
     teacher, teacher_source = load_teacher(job, model_args, data_args, args, tokenizer)

@@ -6,8 +6,8 @@ Two ways to have the teacher's distributions, as the ecosystem offers them:
 - a teacher model (an ``nn.Module``, or a hub id / local directory), run on every micro-batch in the student's own
   layout (padded, padding-free, packed). It is placed with the machinery of the DPO reference
   (:func:`hfacc.models.reference.build_reference_model`): on the student's device, and under DeepSpeed ZeRO-3 and FSDP2
-  sharded as the student is, so no rank holds a second whole model. Its logits come chunk by chunk from its final hidden
-  states (:class:`hfacc.ops.logprobs.HiddenStatesHead`) where the model allows it (checked once), so its
+  sharded as the student is, so no rank holds a second whole model. Its logits come chunk by chunk from its final
+  hidden states (:class:`hfacc.ops.logprobs.HiddenStatesHead`) where the model allows it (checked once), so its
   ``[B, T, V]`` logits never exist;
 - stored top-K log-probs (:func:`precompute_teacher_logprobs`): per token, the teacher's K likeliest next tokens and
   their log-probs, as dataset columns in Axolotl's layout (``target_token_ids``, ``target_logprobs``: one ``[K]`` list
@@ -69,8 +69,8 @@ class TeacherRows:
         return self.ids is not None
 
     def chunk(self, rows: slice) -> dict[str, torch.Tensor]:
-        """The teacher of target rows ``rows``: ``{"teacher_logits": [n, V]}`` or ``{"teacher_ids", "teacher_logprobs"}``
-        (the keyword arguments of :func:`hfacc.objectives.distillation.distillation_terms`)."""
+        """The teacher of target rows ``rows``: ``{"teacher_logits": [n, V]}``, or ``teacher_ids`` and
+        ``teacher_logprobs`` (the keyword arguments of :func:`hfacc.objectives.distillation.distillation_terms`)."""
         if self.ids is not None:
             return {"teacher_ids": self.ids[rows], "teacher_logprobs": self.logprobs[rows]}
         if self.logits is not None:

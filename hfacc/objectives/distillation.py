@@ -278,7 +278,8 @@ class DistillationObjective(CausalLMObjective):
     ``teacher_agreement`` (the student's top-1 is the teacher's).
 
     >>> objective = DistillationObjective(beta=0.5, temperature=2.0, ce_weight=0.5)
-    >>> batch = {"input_ids": torch.tensor([[5, 6, 7], [5, 6, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+    >>> batch = {"input_ids": torch.tensor([[5, 6, 7], [5, 6, 0]]),
+    ...          "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
     ...          "labels": torch.tensor([[-100, 6, 7], [-100, 6, -100]])}
     >>> objective.count(batch)  # 3 target tokens in 2 sequences
     tensor([3, 2])

@@ -391,7 +391,8 @@ class LossHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[:-1] != self.targets.shape:
             raise RuntimeError(
-                f"chunked loss: hidden states {tuple(hidden.shape)} do not match the targets {tuple(self.targets.shape)}"
+                f"chunked loss: hidden states {tuple(hidden.shape)} do not match the targets "
+                f"{tuple(self.targets.shape)}"
             )
         weight, bias = get_head_weights(self.head, self.vocab_size)
         mask = self.targets != IGNORE_INDEX
