@@ -1,7 +1,7 @@
 """Knowledge distillation with exact accumulation per student token: from a teacher model, stored top-K log-probs,
 or on-policy.
 
-    accelerate launch recipes/distill.py                   # embedded default: offline, CPU, under 4 minutes
+    accelerate launch recipes/distill.py                   # embedded default: offline, runs on a CPU
     accelerate launch recipes/distill.py --teacher_model_name_or_path my-teacher --model_name_or_path my-student
     accelerate launch recipes/distill.py --precompute_teacher_logprobs true --teacher_top_k 32
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/distill.py   # two processes

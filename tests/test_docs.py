@@ -85,11 +85,12 @@ COMMANDS = {
     ),
     "accelerate launch recipes/distill.py": (
         "skip",
-        "the distillation job (~4 min after the SFT main job); tests/test_recipe_distill.py runs it shortened",
+        "the distillation job (after the SFT main job); tests/test_recipe_distill.py runs it shortened",
     ),
     "hfacc distill": (
         "skip",
-        "the distillation job (~4 min with a teacher's short SFT); tests/test_recipe_distill.py runs it shortened",
+        "the distillation job (a teacher's short SFT first without outputs/sft-tiny); tests/test_recipe_distill.py runs "
+        "it shortened",
     ),
     "hfacc verify --objective distill --beta 0.5 --ce_weight 0.5": (
         "skip",

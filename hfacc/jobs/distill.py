@@ -1,6 +1,6 @@
 """Knowledge distillation with exact accumulation per student token: the job of ``hfacc distill``.
 
-    hfacc distill                                            # embedded default: offline, CPU, under 4 minutes
+    hfacc distill                                            # embedded default: offline, runs on a CPU
     accelerate launch recipes/distill.py                     # the same job, as a recipe script
     hfacc distill --teacher_model_name_or_path my-teacher --model_name_or_path my-student --dataset_name chats.jsonl
     hfacc distill --precompute_teacher_logprobs true --teacher_top_k 32   # train from stored top-K log-probs
