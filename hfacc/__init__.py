@@ -38,8 +38,10 @@ from .data.vision import DataCollatorForVisionLM, get_processor
 from .generation.evaluation import generate_answers
 from .models.loading import ModelArguments, apply_lora, get_tokenizer, load_causal_lm
 from .models.reference import precompute_reference_logps
+from .models.teacher import precompute_teacher_logprobs
 from .objectives import (
     CausalLMObjective,
+    DistillationObjective,
     DPOObjective,
     FunctionObjective,
     LossFunctionObjective,
@@ -70,6 +72,7 @@ from .runtime.memory import peak_memory
 from .training.accumulation import MicroBatch, accumulation_window, iter_windows
 from .training.arguments import TokenWeightedArguments
 from .training.audit import AccumulationAuditCallback
+from .training.distill_trainer import DistillationArguments, DistillationTrainer
 from .training.grpo_trainer import GRPOArguments, GRPOTrainer
 from .training.step_gate import NonFiniteLossError
 from .training.trainer import TokenWeightedTrainer
@@ -124,6 +127,11 @@ __all__ = [
     "LossFunctionObjective",
     "DPOObjective",
     "get_objective",
+    # knowledge distillation (from a teacher, from stored top-K log-probs)
+    "DistillationObjective",
+    "precompute_teacher_logprobs",
+    "DistillationTrainer",
+    "DistillationArguments",
     # online policy gradients (GRPO, DAPO, Dr. GRPO)
     "PolicyGradientObjective",
     "GRPOTrainer",

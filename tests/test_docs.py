@@ -127,6 +127,19 @@ COMMANDS = {
         "skip",
         "two processes; tests/test_verify.py checks the distributed path of verify",
     ),
+    "accelerate launch recipes/distill.py": (
+        "skip",
+        "the distillation job (after the SFT main job); tests/test_recipe_distill.py runs it shortened",
+    ),
+    "hfacc distill": (
+        "skip",
+        "the distillation job (a teacher's short SFT first without outputs/sft-tiny); tests/test_recipe_distill.py runs "
+        "it shortened",
+    ),
+    "hfacc verify --objective distill --beta 0.5 --ce_weight 0.5": (
+        "skip",
+        "the same verify runs in process, on a smaller embedded student, in tests/test_distillation.py",
+    ),
     "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
         "skip",
         "downloads Qwen2.5-0.5B-Instruct and its dataset from the Hub",

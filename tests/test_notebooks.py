@@ -87,6 +87,15 @@ def test_notebook_runs(path, record_property):
         for row in rows:  # "bs x GA  hfacc-error  per-micro-batch-error"
             exact, usual = float(row[3]), float(row[4])
             assert exact <= 1e-6 and (usual > 0.05 or row[:3] == ["8", "x", "1"])
+    if path.name.startswith("08_"):  # the student token as the unit: every split, and the stored top-K
+        out = stdout_of(nb)
+        rows = [line.split() for line in out.splitlines() if re.match(r"^\d x \d ", line)]
+        assert len(rows) == 4
+        for row in rows:  # "bs x GA  hfacc-error  per-micro-batch-error"
+            exact, usual = float(row[3]), float(row[4])
+            assert exact <= 1e-6 and (usual > 0.05 or row[:3] == ["8", "x", "1"])
+        assert float(re.search(r"top-64 stored.*update (\S+)", out).group(1)) <= 1e-6
+        assert float(re.search(r"\((\d+)x too small\)", out).group(1)) > 10
     if path.name.startswith("05_"):
         out = stdout_of(nb)
         assert "no_sync around forward and backward  : 1 all-reduce" in out

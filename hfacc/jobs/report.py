@@ -37,7 +37,8 @@ def save_loss_curve(
         twin.set_ylabel("reward accuracy (held-out pairs)")
         twin.set_ylim(0, 1.02)
         twin.legend(loc="center right")
-    ax.legend()
+    if ax.lines:  # a run shorter than its logging interval logged no loss: an empty plot, no legend warning
+        ax.legend()
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)

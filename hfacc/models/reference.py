@@ -176,11 +176,7 @@ def build_sharded_reference(policy: nn.Module, accelerator, engine: str, given: 
         )
     base = get_base_model(unwrap_model(policy))
     if engine == "FSDP2":
-        from torch.distributed.fsdp import FSDPModule
-
-        for unit in base.modules():  # FSDP2's root keeps its parameters whole after a forward: shard them again
-            if isinstance(unit, FSDPModule):
-                unit.reshard()
+        reshard(base)
     if given is None:
         module = _empty_like(base, engine)
     else:
@@ -221,12 +217,31 @@ def _empty_like(base: nn.Module, engine: str) -> nn.Module:
     return module
 
 
+def reshard(module: nn.Module) -> None:
+    """Shard again every FSDP2 unit of ``module``: FSDP2's root keeps its parameters whole after a forward (for the
+    backward that follows), which a frozen model never runs."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def _shard_like(module: nn.Module, base: nn.Module) -> None:
-    """``fully_shard`` every submodule of ``module`` that is an FSDP2 unit in ``base``, deepest first, same mesh."""
+    """``fully_shard`` every submodule of ``module`` that is an FSDP2 unit in ``base``, deepest first, same mesh.
+
+    A module of another architecture (a distillation teacher: more layers, other names) is sharded on the modules
+    of the classes that are units in ``base`` (its decoder layers), and its root."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
+    from ..ops.fused_loss import _module_class
+
     units = [name for name, m in base.named_modules() if isinstance(m, FSDPModule)]
+    names = [name for name, _ in module.named_modules()]
+    if names != [name for name, _ in base.named_modules()]:
+        classes = {_module_class(m) for name, m in base.named_modules() if name and isinstance(m, FSDPModule)}
+        units = [name for name, m in module.named_modules() if name and type(m) in classes] + [""]
     mesh = next(p.device_mesh for p in base.parameters() if isinstance(p, DTensor))
     state = base._get_fsdp_state() if hasattr(base, "_get_fsdp_state") else None
     policy = getattr(state, "_mp_policy", None) or MixedPrecisionPolicy()  # the policy's forward precision
@@ -357,6 +372,7 @@ __all__ = [
     "build_sharded_reference",
     "copy_initial_policy",
     "sharded_engine",
+    "reshard",
     "unwrap_model",
     "is_peft_model",
     "precompute_reference_logps",

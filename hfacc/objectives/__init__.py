@@ -8,6 +8,7 @@
   ``compute_loss_func``);
 - :mod:`~hfacc.objectives.preference`: preference pairs (DPO, IPO, hinge, robust DPO, SimPO), exact per pair;
 - :mod:`~hfacc.objectives.policy_gradient`: the clipped policy-gradient loss of the GRPO family on rollout rows;
+- :mod:`~hfacc.objectives.distillation`: knowledge distillation (TRL's generalized JSD), exact per student token;
 - :mod:`~hfacc.objectives.choice`: :func:`get_objective`, which one a model calls for (``objective="auto"``).
 
 A new loss is a new module here, next to these: it subclasses :class:`Objective`, and the trainer needs no branch.
@@ -16,6 +17,7 @@ A new loss is a new module here, next to these: it subclasses :class:`Objective`
 from .base import Objective, SetupContext
 from .causal_lm import CausalLMObjective, get_batch_sequences
 from .choice import OBJECTIVES, get_objective
+from .distillation import DistillationObjective
 from .function import FunctionObjective, LossFunctionObjective
 from .heads import (
     ModelLossObjective,
@@ -41,6 +43,7 @@ __all__ = [
     "LossFunctionObjective",
     "DPOObjective",
     "PolicyGradientObjective",
+    "DistillationObjective",
     "OBJECTIVES",
     "get_objective",
 ]

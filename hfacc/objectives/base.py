@@ -162,6 +162,16 @@ class Objective(ABC):
             logs[f"{prefix}token_accuracy"] = correct / count
         return logs
 
+    def check_data(self, dataset: Any, name: str = "the training data") -> None:
+        """Check what the objective reads of every row of ``dataset`` (None: no dataset), before any row is collated;
+        raise a :class:`hfacc.data.formats.DataError` naming the row and the fix (default: nothing to check)."""
+        return None
+
+    def companion_models(self) -> list[nn.Module]:
+        """Frozen models :meth:`setup` built that run on every micro-batch in the trained model's own layout (a
+        distillation teacher): the layout checks run them too (default: none)."""
+        return []
+
     def copies_policy(self) -> bool:
         """Whether :meth:`setup` copies the policy as training starts (a frozen reference): a resumed run must then
         take the copy before the checkpoint's weights are loaded (:class:`SetupContext`'s ``initial_policy``)."""

@@ -13,6 +13,7 @@ from ..ops.loss import IGNORE_INDEX
 from ..ops.model_io import get_base_model, get_num_virtual_tokens
 from .base import Objective
 from .causal_lm import CausalLMObjective
+from .distillation import DistillationObjective
 from .heads import (
     ModelLossObjective,
     MultiLabelObjective,
@@ -37,6 +38,7 @@ OBJECTIVES = {
         ModelLossObjective,
         DPOObjective,
         PolicyGradientObjective,
+        DistillationObjective,
     )
 }
 
@@ -59,7 +61,7 @@ def get_objective(
     :func:`get_num_virtual_tokens`).
     """
     objective = _pick_objective(model, batch, name, label_smoothing)
-    if isinstance(objective, CausalLMObjective):
+    if isinstance(objective, CausalLMObjective):  # and distillation, which counts its targets the same way
         objective.num_virtual_tokens = get_num_virtual_tokens(model)
     return objective
 

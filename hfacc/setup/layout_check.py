@@ -74,6 +74,7 @@ def check_padding_free(
     one_row: bool | None = None,
     tolerance: float | None = None,
     max_tokens: int = CHECK_TOKENS,
+    gradient: bool = True,
 ) -> str | None:
     """Run a few sequences padded and padding-free, forward and backward; None if the layout is exact, else why not.
 
@@ -98,7 +99,8 @@ def check_padding_free(
       nothing runs across the sequences, and not 0 where a convolution or a scan does (LFM2, Jamba), however
       small the leak and however coarse the precision.
 
-    The model runs in eval mode (dropout would make any two runs differ). The rows here are short; where training
+    ``gradient=False`` compares the forward only (the gradient leak test too is skipped), for a frozen model no
+    backward ever runs through (a distillation teacher). The model runs in eval mode (dropout would make any two runs differ). The rows here are short; where training
     lays sequences far into a row, :func:`check_row_offsets` checks those offsets.
     """
     problem = position_ids_problem(get_base_model(model))
@@ -119,9 +121,9 @@ def check_padding_free(
     model.eval()
     try:
         with check_precision(model) as precision:
-            reference = _run_check(model, padded, with_grad=True)
-            laid = _run_check(model, row, with_grad=True)
-            moved = _run_check(model, {**row, "input_ids": other}, with_grad=True, watched=watched)
+            reference = _run_check(model, padded, with_grad=gradient)
+            laid = _run_check(model, row, with_grad=gradient)
+            moved = _run_check(model, {**row, "input_ids": other}, with_grad=gradient, watched=watched)
     except Exception as err:  # a model whose forward does something unexpected with position_ids
         return f"the padding-free forward failed ({type(err).__name__}: {err})"
     finally:

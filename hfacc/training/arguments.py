@@ -174,6 +174,18 @@ def as_token_weighted_arguments(args: TrainingArguments | None) -> TokenWeighted
     return _with_hfacc_settings(type(args))(**values)
 
 
+def convert_arguments(args: TrainingArguments | None, cls: type[TokenWeightedArguments]):
+    """``args`` as an online trainer's arguments class ``cls`` (:class:`hfacc.GRPOArguments`,
+    :class:`hfacc.DistillationArguments`): itself, or converted once, every field the user set kept and ``cls``'s
+    defaults for the rest (``None``: stock's ``output_dir="tmp_trainer"``)."""
+    if isinstance(args, cls):
+        return args
+    if args is None:
+        return cls(output_dir="tmp_trainer")
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and f.name in names})
+
+
 @functools.cache
 def _with_hfacc_settings(cls: type) -> type:
     """``cls`` with hfacc's fields: a class made here at run time, which pickle cannot find by its name.

@@ -23,7 +23,6 @@ over its own unit.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -40,7 +39,7 @@ from ..objectives.policy_gradient import LOSS_TYPE_ALIASES, LOSS_TYPES, PolicyGr
 from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
 from ..ops.loss import shift_labels
 from ..runtime.config import ConfigError
-from .arguments import TokenWeightedArguments
+from .arguments import TokenWeightedArguments, convert_arguments
 from .trainer import TokenWeightedTrainer
 
 logger = logging.getLogger(__name__)
@@ -156,14 +155,7 @@ def check_reward_weights(weights: Sequence[float] | None, funcs: Sequence[Callab
 
 def as_grpo_arguments(args: TrainingArguments | None) -> GRPOArguments:
     """``args`` as :class:`GRPOArguments`: itself, or converted once (every field the user set is kept)."""
-    if isinstance(args, GRPOArguments):
-        return args
-    if args is None:
-        return GRPOArguments(output_dir="tmp_trainer")
-    names = {f.name for f in dataclasses.fields(GRPOArguments) if f.init}
-    return GRPOArguments(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and f.name in names}
-    )
+    return convert_arguments(args, GRPOArguments)
 
 
 class GRPOTrainer(TokenWeightedTrainer):

@@ -146,6 +146,11 @@ class TokenWeightedTrainer(Trainer):
             )
         self.step_gate = StepGate(self)  # audit -> no target -> not finite -> commit, before every optimizer step
         self.add_callback(self.step_gate)
+        if self.objective is not None:  # what the objective reads of every row, checked before any is collated
+            self.objective.check_data(self.train_dataset, "the training data")
+            evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"": self.eval_dataset}
+            for name, dataset in evaluation.items():
+                self.objective.check_data(dataset, f"the evaluation data {name}".strip())
 
     # ---- data: micro-batches to a token budget ----------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:

@@ -358,6 +358,39 @@ def _to(batch, device):
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
+# ---- distillation: the user's student and teacher, through verify_accumulation ---------------------------------
+@dataclass
+class DistillVerifyArguments:
+    """Settings of ``hfacc verify --objective distill`` (the names of ``hfacc distill``)."""
+
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "--objective distill: the teacher (None with the embedded student: a bigger embedded one)."},
+    )
+    beta: float = field(default=1.0, metadata={"help": "--objective distill: 0 forward KL, 1 reverse KL, else JSD."})
+    temperature: float = field(default=1.0, metadata={"help": "--objective distill: both logits / temperature."})
+    ce_weight: float = field(default=0.0, metadata={"help": "--objective distill: weight of the CE term."})
+
+
+def build_verify_distillation(distill_args: DistillVerifyArguments, model_args, tokenizer, seed: int = 0):
+    """The :class:`hfacc.DistillationObjective` ``hfacc verify --objective distill`` checks: the teacher named, or
+    for the embedded student a bigger embedded teacher (random: verify checks the accumulation, not the teacher)."""
+    from ..objectives.distillation import DistillationObjective
+    from ..runtime.config import ConfigError
+
+    teacher = distill_args.teacher_model_name_or_path
+    if teacher is None:
+        if model_args.model_name_or_path is not None:
+            raise ConfigError("--objective distill: name the teacher with --teacher_model_name_or_path.")
+        from ..data.embedded import build_default_model
+
+        teacher = build_default_model(tokenizer, hidden_size=2 * model_args.embedded_hidden_size, seed=seed + 1)
+    return DistillationObjective(
+        teacher, beta=distill_args.beta, temperature=distill_args.temperature, ce_weight=distill_args.ce_weight,
+        vocab_size=len(getattr(tokenizer, "tokenizer", tokenizer)),
+    )  # fmt: skip
+
+
 # ---- policy gradients: a fixed rollout of the model, split over micro-batches, ranks and optimizer steps ----------
 @dataclass
 class PolicyGradientVerifyReport:
@@ -595,6 +628,8 @@ def verify_policy_gradient(
 
 __all__ = [
     "VerifyArguments",
+    "DistillVerifyArguments",
+    "build_verify_distillation",
     "VerifyReport",
     "PolicyGradientVerifyReport",
     "verify_policy_gradient",
