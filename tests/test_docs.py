@@ -131,11 +131,6 @@ COMMANDS = {
         "skip",
         "the distillation job (after the SFT main job); tests/test_recipe_distill.py runs it shortened",
     ),
-    "hfacc distill": (
-        "skip",
-        "the distillation job (a teacher's short SFT first without outputs/sft-tiny); tests/test_recipe_distill.py runs "
-        "it shortened",
-    ),
     "hfacc verify --objective distill --beta 0.5 --ce_weight 0.5": (
         "skip",
         "the same verify runs in process, on a smaller embedded student, in tests/test_distillation.py",
