@@ -31,7 +31,7 @@ from .data.embedded import (
 )
 from .data.embedded_vision import build_tiny_vlm, generate_shape_examples
 from .data.formats import render_mask
-from .data.preference import DataCollatorForPreference, build_preference_dataset
+from .data.preference import DataCollatorForPreference, DataCollatorForUnpairedPreference, build_preference_dataset
 from .data.sft import DataArguments, build_sft_dataset
 from .data.sources import load_sft_source
 from .data.vision import DataCollatorForVisionLM, get_processor
@@ -42,12 +42,14 @@ from .objectives import (
     CausalLMObjective,
     DPOObjective,
     FunctionObjective,
+    KTOObjective,
     LossFunctionObjective,
     ModelLossObjective,
     MultiLabelObjective,
     Objective,
     PolicyGradientObjective,
     RegressionObjective,
+    RewardObjective,
     SequenceClassificationObjective,
     SetupContext,
     TokenObjective,
@@ -99,6 +101,10 @@ __all__ = [
     "build_preference_dataset",
     "DataCollatorForPreference",
     "precompute_reference_logps",
+    # reward models and unpaired preference (KTO)
+    "RewardObjective",
+    "KTOObjective",
+    "DataCollatorForUnpairedPreference",
     # models
     "get_tokenizer",
     "load_causal_lm",

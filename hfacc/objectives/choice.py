@@ -20,8 +20,10 @@ from .heads import (
     SequenceClassificationObjective,
     TokenObjective,
 )
+from .kto import KTOObjective
 from .policy_gradient import PolicyGradientObjective
 from .preference import DPOObjective
+from .reward import RewardObjective
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ OBJECTIVES = {
         ModelLossObjective,
         DPOObjective,
         PolicyGradientObjective,
+        RewardObjective,
+        KTOObjective,
     )
 }
 
@@ -73,8 +77,8 @@ def _pick_objective(model: nn.Module, batch: Mapping[str, Any], name: str, label
             raise ValueError(f"objective must be 'auto' or one of {sorted(OBJECTIVES)}, got {name!r}")
         if name == "token":
             return TokenObjective(label_smoothing, encoder_decoder=is_encoder_decoder)
-        if name == PolicyGradientObjective.name:  # its settings are its own (loss_type, epsilon, ...): the defaults
-            return PolicyGradientObjective()
+        if name in (PolicyGradientObjective.name, RewardObjective.name, KTOObjective.name):
+            return OBJECTIVES[name]()  # their settings are their own (loss_type, beta, ...): the defaults
         return OBJECTIVES[name](label_smoothing=label_smoothing)
 
     labels = batch.get("labels")

@@ -239,7 +239,24 @@ class TokenWeightedTrainer(Trainer):
         objective = self.objective
         units = len(objective.units) if objective is not None else 2
         counts = count_window(objective.count if objective else None, batches, self.accelerator, device, units)
-        return Window(batches, counts, len(batch_samples), repeated=frozenset(repeated), dtype=self.meter.dtype)
+        window = Window(batches, counts, len(batch_samples), repeated=frozenset(repeated), dtype=self.meter.dtype)
+        if objective is not None:
+            window.reduce = self.meter.reduce = objective.reduce_metrics
+            # A statistic of the whole step (KTO's reference point), over every micro-batch and rank, before the first
+            # backward; micro-batches of repeated examples run too (a sharded model's forwards are collectives).
+            prepared = [self._prepare_inputs(b) for b in batch_samples]
+            with self.compute_loss_context_manager():
+                window.statistics = objective.window_statistics(
+                    self.model_wrapped, prepared, self.accelerator, layout=self._layout, repeated=repeated
+                )
+        return window
+
+    def _layout(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``batch`` laid out as training lays out its micro-batches (padding-free where the setup decided so)."""
+        if not self.padding_free:
+            return batch
+        setup = self.model_setup
+        return remove_padding(batch, setup.one_row, setup.max_row_length, keep=self.objective.row_keys) or batch
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # Replaces the stock count (and its cross-rank gather) wherever the Trainer asks for it, e.g. in
