@@ -538,7 +538,8 @@ def load_preference_source(
         data, held_out = _pick_splits(datasets.load_from_disk(str(path)), split, eval_split, name_or_path)
     else:
         data, held_out = _pick_splits(datasets.load_dataset(name_or_path, config), split, eval_split, name_or_path)
-    check_preference_columns(data.column_names)
+    if not is_unpaired(data.column_names):  # pairs; unpaired rows (KTO) are checked when they are built
+        check_preference_columns(data.column_names)
     if max_examples is not None:
         data = data.select(range(min(max_examples, len(data))))
     data = data.add_column(SOURCE_ROW, list(range(len(data))))  # errors name the row of the source
@@ -551,7 +552,9 @@ def load_preference_source(
 
 
 def check_jsonl_pairs(path: Path) -> None:
-    """Every line of a ``.jsonl`` file is a JSON object with ``chosen`` and ``rejected``; else a DataError naming it."""
+    """Every line of a ``.jsonl`` file is a JSON object with ``chosen`` and ``rejected`` (or, unpaired as its first
+    line is, ``prompt``, ``completion`` and ``label``); else a DataError naming it."""
+    required = SIDES
     with open(path) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -560,7 +563,9 @@ def check_jsonl_pairs(path: Path) -> None:
                 row = json.loads(line)
             except ValueError as err:
                 raise DataError(f"{path}: line {number} is not valid JSON ({err}).") from err
-            missing = [c for c in SIDES if not isinstance(row, Mapping) or c not in row]
+            if number == 1 and isinstance(row, Mapping) and is_unpaired(list(row)):
+                required = UNPAIRED_COLUMNS
+            missing = [c for c in required if not isinstance(row, Mapping) or c not in row]
             if missing:
                 raise DataError(f"row {number - 1} (line {number} of {path.name}): no field {missing[0]!r}.")
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..ops.loss import LossSums, WindowCounts, normalize_window_loss, shift_labels
-from ..ops.model_io import model_inputs, packed_position_ids
+from ..ops.model_io import forward_inputs
 from ..runtime.distributed import num_rows
 
 
@@ -229,16 +229,6 @@ class Objective(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
-
-
-def forward_inputs(batch: Mapping[str, Any], row_keys: Collection[str] = ()) -> dict[str, Any]:
-    """What of ``batch`` goes into the model's forward: its model inputs without the per-row values an objective
-    reads (``row_keys``), and no cache for packed rows (with one, transformers does not keep packed sequences
-    apart)."""
-    inputs = {k: v for k, v in model_inputs(batch).items() if k not in row_keys}
-    if packed_position_ids(inputs) is not None:
-        inputs["use_cache"] = False
-    return inputs
 
 
 def get_targets(batch: Mapping[str, Any]) -> torch.Tensor:

@@ -26,8 +26,7 @@ from torch import nn
 
 from ..data.preference import MARGIN
 from ..ops.loss import WindowCounts
-from ..ops.model_io import get_base_model
-from ..ops.scores import PerPositionScores, get_score_head, get_sequence_scores
+from ..ops.scores import PerPositionScores, get_sequence_scores, reward_model_problem
 from ..runtime.distributed import num_rows
 from .base import Objective, SetupContext, forward_inputs
 from .preference import PairedRows
@@ -117,12 +116,14 @@ class RewardObjective(PairedRows, Objective):
                 "normalization='sequence' has no meaning for the reward objective (its unit is the pair); use 'token' "
                 "(exact) or 'micro_batch' (the mean of micro-batch means, for comparison)."
             )
-        check_reward_model(context.model)
+        problem = reward_model_problem(context.model)
+        if problem:
+            raise ValueError(problem)
 
     def layout_view(self, model: nn.Module) -> nn.Module:
         """The layout check runs the head's score at every position (:class:`hfacc.ops.scores.PerPositionScores`); a
-        model without a per-position head is checked as it is (its pooled output: it stays padded)."""
-        return PerPositionScores(model) if get_score_head(model) is not None else model
+        model without a per-position head fails it, with the reason (it stays padded)."""
+        return PerPositionScores(model)
 
     # ---- per micro-batch ---------------------------------------------------------------------------------------
     def count(self, batch: Mapping[str, Any]) -> torch.Tensor:
@@ -202,24 +203,4 @@ class RewardObjective(PairedRows, Objective):
         return f"RewardObjective({extra})"
 
 
-def check_reward_model(model: nn.Module) -> None:
-    """A ``ValueError`` naming the fix unless ``model`` is a reward model hfacc can train: one output per sequence
-    (``num_labels=1``) and a ``pad_token_id`` in its config (its own pooling runs on padded batches)."""
-    base = get_base_model(model)
-    config = getattr(base, "config", None)
-    labels = getattr(config, "num_labels", None)
-    if labels != 1:
-        raise ValueError(
-            f"{type(base).__name__} has num_labels={labels}, but a reward model gives one score per sequence: load it "
-            "with num_labels=1 (AutoModelForSequenceClassification.from_pretrained(path, num_labels=1))."
-        )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "pad_token_id", None) is None:
-        raise ValueError(
-            f"{type(base).__name__}'s config has no pad_token_id, which its own pooling needs for batches of several "
-            "sequences: set model.config.pad_token_id = tokenizer.pad_token_id (hfacc reads each score at the "
-            "sequence's last real token by the attention mask; the pad token does not move it)."
-        )
-
-
-__all__ = ["RewardObjective", "RewardSums", "bradley_terry_loss", "check_reward_model"]
+__all__ = ["RewardObjective", "RewardSums", "bradley_terry_loss"]

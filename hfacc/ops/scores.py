@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .model_io import get_base_model, get_logits, model_inputs
+from .model_io import forward_inputs, get_base_model, get_logits
 
 
 def get_score_head(model: nn.Module) -> nn.Module | None:
@@ -67,10 +67,11 @@ def get_sequence_scores(
     """Run ``model`` on ``inputs`` (default: ``batch``'s model inputs); return its outputs and the score of each of
     ``batch``'s sequences ``[n]`` (fp32, differentiable), read at its own last real token (see the module doc).
 
-    The model must give one value per position and sequence (``num_labels=1``). Without a per-position head, the
+    ``inputs`` default to :func:`hfacc.ops.model_io.forward_inputs` (no cache for packed rows). The model must give
+    one value per position and sequence (``num_labels=1``). Without a per-position head, the
     model's own pooled output is returned, which a padding-free layout cannot have (a ``ValueError`` then).
     """
-    inputs = model_inputs(batch) if inputs is None else inputs
+    inputs = forward_inputs(batch) if inputs is None else inputs
     head, captured = get_score_head(model), []
 
     def keep(module, args, output):  # the head's output at every position, before the model pools one per row
@@ -94,6 +95,27 @@ def get_sequence_scores(
     return outputs, get_logits(outputs)[:, 0].float()
 
 
+def reward_model_problem(model: nn.Module) -> str | None:
+    """Why ``model`` is no reward model hfacc can train or score with (None: it is): one output per sequence
+    (``num_labels=1``) and a ``pad_token_id`` in its config (its own pooling runs on padded batches)."""
+    base = get_base_model(model)
+    config = getattr(base, "config", None)
+    labels = getattr(config, "num_labels", None)
+    if labels != 1:
+        return (
+            f"{type(base).__name__} has num_labels={labels}, but a reward model gives one score per sequence: load it "
+            "with num_labels=1 (AutoModelForSequenceClassification.from_pretrained(path, num_labels=1))"
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "pad_token_id", None) is None:
+        return (
+            f"{type(base).__name__}'s config has no pad_token_id, which its own pooling needs for batches of several "
+            "sequences: set model.config.pad_token_id = tokenizer.pad_token_id (hfacc reads each score at the "
+            "sequence's last real token by the attention mask; the pad token does not move it)"
+        )
+    return None
+
+
 class PerPositionScores(nn.Module):
     """A reward model as hfacc's layout checks run it: the head's score at every position as ``logits``
     ``[rows, T, 1]``, from the base model's final hidden states (:mod:`hfacc.setup.layout_check`: padded vs
@@ -108,13 +130,17 @@ class PerPositionScores(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.module = model
+        self.train(model.training)  # the checks put the view in eval mode and back: back is the model's own mode
 
     def forward(self, **inputs) -> dict[str, torch.Tensor]:
         base = get_base_model(self.module)
         backbone = getattr(base, getattr(base, "base_model_prefix", ""), None)
         head = get_score_head(base)
         if not isinstance(backbone, nn.Module) or head is None:
-            raise ValueError(f"{type(base).__name__} has no backbone and per-position 'score' head to check")
+            raise ValueError(
+                f"{type(base).__name__} has no per-position 'score' head (its classifier reads a pooled token), so the "
+                "sequences of a packed row cannot be scored apart"
+            )
         outputs = backbone(**inputs)
         hidden = outputs["last_hidden_state"] if isinstance(outputs, Mapping) else outputs[0]
         scores = {"logits": head(hidden)}
@@ -123,4 +149,10 @@ class PerPositionScores(nn.Module):
         return scores
 
 
-__all__ = ["PerPositionScores", "get_last_token_index", "get_score_head", "get_sequence_scores"]
+__all__ = [
+    "PerPositionScores",
+    "get_last_token_index",
+    "get_score_head",
+    "get_sequence_scores",
+    "reward_model_problem",
+]

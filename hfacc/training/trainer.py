@@ -335,7 +335,13 @@ class TokenWeightedTrainer(Trainer):
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
             with padded_neftune_noise(model, padded, inputs):  # NEFTune: stock's noise for the padded batch
                 loss, outputs, sums = compute_micro_batch_loss(
-                    objective, model, inputs, window.counts, normalization=self.args.normalization, world_size=world
+                    objective,
+                    model,
+                    inputs,
+                    window.counts,
+                    normalization=self.args.normalization,
+                    world_size=world,
+                    statistics=window.statistics,
                 )
             if repeated:  # only examples accelerate repeated: run for the all-reduce, contribute nothing
                 loss, sums = loss * 0, objective.zero_sums(sums)
