@@ -36,7 +36,14 @@ from .data.sft import DataArguments, build_sft_dataset
 from .data.sources import load_sft_source
 from .data.vision import DataCollatorForVisionLM, get_processor
 from .generation.evaluation import generate_answers
-from .models.loading import ModelArguments, apply_lora, get_tokenizer, load_causal_lm
+from .models.loading import (
+    ModelArguments,
+    apply_lora,
+    as_reward_model,
+    get_tokenizer,
+    load_causal_lm,
+    load_reward_model,
+)
 from .models.reference import precompute_reference_logps
 from .objectives import (
     CausalLMObjective,
@@ -105,6 +112,8 @@ __all__ = [
     "RewardObjective",
     "KTOObjective",
     "DataCollatorForUnpairedPreference",
+    "load_reward_model",
+    "as_reward_model",
     # models
     "get_tokenizer",
     "load_causal_lm",

@@ -321,3 +321,15 @@ def test_sequence_rewards_reference_is_the_models_own_pooling(model, pairs):
     with torch.no_grad():
         pooled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
         assert relative_error(sequence_rewards(model, pairs), pooled) <= 1e-6
+
+
+# ---- hfacc verify --objective reward ----------------------------------------------------------------------------
+def test_hfacc_verify_objective_reward_on_the_embedded_pairs(capsys):
+    from hfacc.cli import main as cli_main
+
+    argv = ["verify", "--objective", "reward", "--per_device_train_batch_size", "2", "--embedded_hidden_size", "32",
+            "--embedded_num_layers", "1"]  # fmt: skip
+    code = cli_main(argv)
+    out = capsys.readouterr().out
+    assert code == 0 and "PASS" in out and "objective   reward" in out
+    assert "LlamaForSequenceClassification" in out and "pairs per micro-batch (rank 0): [2, 2, 2, 2]" in out

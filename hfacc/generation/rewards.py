@@ -145,6 +145,8 @@ def get_reward_function(func: Any, tokenizer=None, device=None) -> Callable:
         if device is not None:
             func.to(device)
         return RewardModelFunction(func, tokenizer)
+    if isinstance(func, RewardModelFunction) and device is not None:
+        func.model.to(device)  # e.g. loaded by name (get_reward_funcs) before the trainer knew its device
     if not callable(func):
         raise ValueError(f"reward function {func!r}: give a function f(prompts, completions, **columns) or a model.")
     return func

@@ -3,8 +3,10 @@
 How it differs from the stock Trainer, hook by hook:
 
 - ``get_batch_samples`` (once per optimizer step) opens the step's :class:`~hfacc.training.window.Window`: its targets
-  counted with the objective and summed over all ranks in one collective. Stock Trainer counts only when the
-  model's forward takes ``**kwargs`` and only sums over ranks when ``average_tokens_across_devices``.
+  counted with the objective and summed over all ranks in one collective, and the objective's statistics of the whole
+  step taken (:meth:`hfacc.Objective.window_statistics`: KTO's reference point; none for most objectives). Stock
+  Trainer counts only when the model's forward takes ``**kwargs`` and only sums over ranks when
+  ``average_tokens_across_devices``.
 - ``compute_loss`` takes the window's next micro-batch, runs the model *without* labels and computes the loss
   itself, ``S_j / N_window * P`` (:func:`hfacc.ops.loss.normalize_window_loss`). Stock Trainer relies on the model to
   consume ``num_items_in_batch``; custom models, heads that ignore it and ``**kwargs`` that drop it all go wrong.
