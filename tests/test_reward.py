@@ -327,8 +327,9 @@ def test_sequence_rewards_reference_is_the_models_own_pooling(model, pairs):
 def test_hfacc_verify_objective_reward_on_the_embedded_pairs(capsys):
     from hfacc.cli import main as cli_main
 
-    argv = ["verify", "--objective", "reward", "--per_device_train_batch_size", "2", "--embedded_hidden_size", "32",
-            "--embedded_num_layers", "1"]  # fmt: skip
+    # The embedded model's own size: a fresh reward head scores every sequence about alike, so the gradient is a
+    # difference of near-equal terms, and a smaller model rounds it to ~1e-5 (fp32 rounding, not accumulation).
+    argv = ["verify", "--objective", "reward", "--per_device_train_batch_size", "2"]
     code = cli_main(argv)
     out = capsys.readouterr().out
     assert code == 0 and "PASS" in out and "objective   reward" in out

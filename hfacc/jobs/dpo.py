@@ -227,23 +227,15 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
             f"model  {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, from {started_from}"
         )
         write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out pairs")
-        micro = (
-            f"up to {args.max_tokens_per_batch:,} tokens"
-            if args.max_tokens_per_batch
-            else f"{args.per_device_train_batch_size} pairs"
-        )
-        write(f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)")
+        write(describe_batch(args, "pairs"))
         write(
             f"loss   {dpo_args.loss_type}, beta {dpo_args.beta}"
             + (f", nll_weight {dpo_args.nll_weight}" if dpo_args.nll_weight else "")
         )
     conversations = held_out[: dpo_args.num_exact_match_examples]
     exact_before = exact_match(trainer, tokenizer, conversations, dpo_args, "before training")
-    before = trainer.evaluate()
-    train_result = trainer.train(resume_from_checkpoint=resume)
+    before, train_result, after = train_between_evaluations(trainer, resume)
     step = trainer.state.global_step
-    final = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] == step and step > 0]
-    after = final[-1] if final else trainer.evaluate()
     exact_after = exact_match(trainer, tokenizer, conversations, dpo_args, "after training")
     trainer.save_model()
     metrics = {
@@ -273,6 +265,26 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
         )
         write(format_summary(metrics, args.output_dir))
     return metrics
+
+
+def describe_batch(args: TokenWeightedArguments, unit: str) -> str:
+    """The console's ``batch`` line: a micro-batch (``unit``s, or a token budget) x accumulation x processes."""
+    micro = (
+        f"up to {args.max_tokens_per_batch:,} tokens"
+        if args.max_tokens_per_batch
+        else f"{args.per_device_train_batch_size} {unit}"
+    )
+    return f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)"
+
+
+def train_between_evaluations(trainer, resume):
+    """``(eval before, train result, eval after)``: the held-out metrics before and after ``trainer.train``; after:
+    the evaluation the Trainer ran at its last step (eval_strategy "steps"), or one now."""
+    before = trainer.evaluate()
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    step = trainer.state.global_step
+    final = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] == step and step > 0]
+    return before, train_result, final[-1] if final else trainer.evaluate()
 
 
 def refuse_label_smoothing(args: TokenWeightedArguments, job: str, fix: str = "leave it 0") -> None:

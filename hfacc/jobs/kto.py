@@ -39,11 +39,13 @@ from .console import run_recipe, setup_console, use_console, write
 from .dpo import (
     RECIPES,
     ReferenceJobArguments,
+    describe_batch,
     exact_match,
     exact_match_lines,
     load_preference_rows,
     load_sft_start,
     refuse_label_smoothing,
+    train_between_evaluations,
 )
 from .report import save_loss_curve, write_json
 
@@ -121,20 +123,12 @@ def main(kto_args: KTOArguments, model_args: ModelArguments, args: TokenWeighted
         write(f"model  {type(model).__name__}, {size:.1f}M parameters, from {started_from}")
         desirable = sum(train_ds["label"])
         write(f"data   {len(train_ds):,} training rows ({desirable:,} desirable) / {len(eval_ds):,} held-out rows")
-        micro = (
-            f"up to {args.max_tokens_per_batch:,} tokens"
-            if args.max_tokens_per_batch
-            else f"{args.per_device_train_batch_size} rows"
-        )
-        write(f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)")
+        write(describe_batch(args, "rows"))
         write(f"loss   KTO, beta {kto_args.beta}, weights {kto_args.desirable_weight} / {kto_args.undesirable_weight}")
     conversations = held_out[: kto_args.num_exact_match_examples]
     exact_before = exact_match(trainer, tokenizer, conversations, kto_args, "before training")
-    before = trainer.evaluate()
-    train_result = trainer.train(resume_from_checkpoint=resume)
+    before, train_result, after = train_between_evaluations(trainer, resume)
     step = trainer.state.global_step
-    final = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] == step and step > 0]
-    after = final[-1] if final else trainer.evaluate()
     exact_after = exact_match(trainer, tokenizer, conversations, kto_args, "after training")
     trainer.save_model()
     metrics = {

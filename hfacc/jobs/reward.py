@@ -27,14 +27,22 @@ import torch
 from transformers import set_seed
 
 from ..data.preference import DataCollatorForPreference, build_preference_dataset
-from ..models.loading import ModelArguments, load_reward_model, load_tokenizer
+from ..models.loading import ModelArguments, apply_lora_settings, load_reward_model, load_tokenizer
 from ..objectives.reward import RewardObjective
 from ..runtime.config import get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
 from ..training.trainer import TokenWeightedTrainer
 from .console import run_recipe, setup_console, use_console, write
-from .dpo import RECIPES, PreferenceJobArguments, load_preference_rows, load_sft_start, refuse_label_smoothing
+from .dpo import (
+    RECIPES,
+    PreferenceJobArguments,
+    describe_batch,
+    load_preference_rows,
+    load_sft_start,
+    refuse_label_smoothing,
+    train_between_evaluations,
+)
 from .report import save_loss_curve, write_json
 
 DEFAULT_CONFIG = RECIPES / "configs" / "reward_tiny_default.yaml"
@@ -70,20 +78,17 @@ def main(reward_args: RewardArguments, model_args: ModelArguments, args: TokenWe
         policy, tokenizer, started_from = None, load_tokenizer(model_args), model_args.model_name_or_path
     raw_train, raw_eval, _ = load_preference_rows(reward_args, policy, tokenizer, args, embedded)
     del policy
-    model = load_reward_model(
-        str(started_from),
-        trust_remote_code=model_args.trust_remote_code,
-        dtype=model_args.dtype if not embedded else "float32",
-        revision=model_args.model_revision,
-        attn_implementation=model_args.attn_implementation,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    if model_args.use_lora:
-        from ..models.loading import apply_lora
-
-        targets = model_args.lora_target_modules
-        model = apply_lora(model, model_args.lora_r, model_args.lora_alpha, model_args.lora_dropout,
-                           targets[0] if targets == ["all-linear"] else targets)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):  # the new score head is the same whatever ran before (a short SFT or not)
+        torch.manual_seed(args.seed)
+        model = load_reward_model(
+            str(started_from),
+            trust_remote_code=model_args.trust_remote_code,
+            dtype=model_args.dtype if not embedded else "float32",
+            revision=model_args.model_revision,
+            attn_implementation=model_args.attn_implementation,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    model = apply_lora_settings(model, model_args, task_type="SEQ_CLS")  # --use_lora: the score head trains whole
     options = dict(max_length=reward_args.max_length, truncation=reward_args.truncation)
     with args.main_process_first(desc="dataset tokenization"):
         train_ds = build_preference_dataset(raw_train, tokenizer, **options)
@@ -103,19 +108,11 @@ def main(reward_args: RewardArguments, model_args: ModelArguments, args: TokenWe
         write(f"model  {type(model).__name__} (num_labels=1), {size:.1f}M parameters, from {started_from}")
         margins = " (with margins)" if "margin" in train_ds.column_names else ""
         write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out pairs{margins}")
-        micro = (
-            f"up to {args.max_tokens_per_batch:,} tokens"
-            if args.max_tokens_per_batch
-            else f"{args.per_device_train_batch_size} pairs"
-        )
-        write(f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)")
+        write(describe_batch(args, "pairs"))
         centering = reward_args.center_rewards_coefficient
         write("loss   Bradley-Terry" + (f", center_rewards_coefficient {centering}" if centering else ""))
-    before = trainer.evaluate()
-    train_result = trainer.train(resume_from_checkpoint=resume)
+    before, train_result, after = train_between_evaluations(trainer, resume)
     step = trainer.state.global_step
-    final = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] == step and step > 0]
-    after = final[-1] if final else trainer.evaluate()
     trainer.save_model()
     metrics = {
         "train": train_result.metrics,

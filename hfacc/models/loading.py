@@ -226,12 +226,15 @@ def get_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, revisio
     return tokenizer
 
 
-def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules="all-linear"):
-    """Wrap ``model`` with a LoRA adapter (peft); only the adapter's weights train."""
+def apply_lora(
+    model, r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+):
+    """Wrap ``model`` with a LoRA adapter (peft); only the adapter's weights train (``task_type="SEQ_CLS"``: a
+    reward model, whose new score head trains whole too)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type=task_type
     )
     model = get_peft_model(model, config)
     trainable, total = (
@@ -357,8 +360,13 @@ def load_model_and_tokenizer(args: ModelArguments, seed: int = 0):
             revision=args.model_revision,
             attn_implementation=args.attn_implementation,
         )
-    if args.use_lora:
-        targets = args.lora_target_modules
-        target = targets[0] if targets == ["all-linear"] else targets
-        model = apply_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, target)
-    return model, tokenizer
+    return apply_lora_settings(model, args), tokenizer
+
+
+def apply_lora_settings(model, args: ModelArguments, task_type: str = "CAUSAL_LM"):
+    """``model`` with the LoRA adapter ``args`` ask for (``--use_lora``), or ``model`` itself."""
+    if not args.use_lora:
+        return model
+    targets = args.lora_target_modules
+    target = targets[0] if targets == ["all-linear"] else targets
+    return apply_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, target, task_type)

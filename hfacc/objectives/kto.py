@@ -33,7 +33,7 @@ from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
 from ..ops.loss import WindowCounts
 from .base import Objective, SetupContext, forward_inputs, get_targets
 from .causal_lm import get_batch_sequences
-from .preference import build_objective_reference
+from .preference import build_objective_reference, get_reference_logps
 
 REFERENCE_POINT = "kto_reference_point"  # the window's z0, carried in each micro-batch (a float)
 KL_KEYS = ("kl_input_ids", "kl_attention_mask", "kl_labels")
@@ -290,16 +290,8 @@ class KTOObjective(Objective):
 
     def _reference_logps(self, batch, key: str, inputs, targets, index, rows) -> torch.Tensor:
         """The reference's sequence log-probs ``[B]``: precomputed (the batch's ``key``) or computed now."""
-        given = batch.get(key)
-        if given is not None:
-            return given
-        if self.reference is None:
-            raise ValueError(
-                "This batch has no precomputed reference log-probs (ref_logps / ref_kl_logps) and no reference model "
-                "was set up: give every dataset (training and evaluation) the columns, or none of them."
-            )
-        result = self.reference.logprobs(inputs, targets, chunk_size=self.chunk_size)
-        return result.logps.new_zeros(rows).index_add(0, index, result.logps)
+        return get_reference_logps(self.reference, batch.get(key), inputs, targets, index, rows, self.chunk_size,
+                                   "ref_logps / ref_kl_logps")  # fmt: skip
 
     def __repr__(self) -> str:
         weights = f", desirable_weight={self.desirable_weight}, undesirable_weight={self.undesirable_weight}"

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.preference import REF_LOGPS
+from ..data.preference import MARGIN, REF_LOGPS
 from ..models.reference import ReferenceModel, build_reference_model
 from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
 from ..ops.loss import IGNORE_INDEX, WindowCounts
@@ -194,6 +194,21 @@ def build_objective_reference(context: SetupContext, ref_model, inputs, targets)
     return reference
 
 
+def get_reference_logps(reference, given, inputs, targets, index, n: int, chunk_size: int, columns: str):
+    """The reference's log-probs of ``n`` sequences: ``given`` (precomputed, from the batch), else computed now by
+    ``reference`` on ``inputs`` and summed per sequence (``index``: the sequence of each target); an error naming
+    the precomputed ``columns`` when there is neither."""
+    if given is not None:
+        return given
+    if reference is None:
+        raise ValueError(
+            f"This batch has no precomputed reference log-probs ({columns}) and no reference model was set up: "
+            "give every dataset (training and evaluation) the columns, or none of them."
+        )
+    result = reference.logprobs(inputs, targets, chunk_size=chunk_size)
+    return result.logps.new_zeros(n).index_add(0, index, result.logps)
+
+
 class PairedRows:
     """A micro-batch of B pairs as one ``[2B, T]`` batch (:class:`hfacc.DataCollatorForPreference`): rows ``0..B-1``
     the chosen sequences, ``B..2B-1`` the rejected ones. What its examples are (a pair is two rows) and which pair
@@ -274,7 +289,7 @@ class DPOObjective(PairedRows, Objective):
     supports_padding_free = True
     supports_fused = True
     fused_description = "chunked log-probs from the final hidden states"
-    row_keys = (REF_LOGPS,)
+    row_keys = (REF_LOGPS, MARGIN)  # a margin column (a reward model's) rides along unread
     columns = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "ref_chosen_logps")
     columns += ("ref_rejected_logps",)
     rate_name = "pairs_per_second"
@@ -451,16 +466,8 @@ class DPOObjective(PairedRows, Objective):
 
     def _reference_logps(self, batch, inputs, targets, index, pairs) -> torch.Tensor:
         """The reference's sequence log-probs ``[2B]``: precomputed (the batch's ``ref_logps``) or computed now."""
-        given = batch.get(REF_LOGPS)
-        if given is not None:
-            return given
-        if self.reference is None:
-            raise ValueError(
-                "This batch has no precomputed reference log-probs (ref_chosen_logps / ref_rejected_logps) and no "
-                "reference model was set up: give every dataset (training and evaluation) the columns, or none of them."
-            )
-        result = self.reference.logprobs(inputs, targets, chunk_size=self.chunk_size)
-        return result.logps.new_zeros(2 * pairs).index_add(0, index, result.logps)
+        return get_reference_logps(self.reference, batch.get(REF_LOGPS), inputs, targets, index, 2 * pairs,
+                                   self.chunk_size, "ref_chosen_logps / ref_rejected_logps")  # fmt: skip
 
     def __repr__(self) -> str:
         extra = f", nll_weight={self.nll_weight}" if self.nll_weight else ""
