@@ -334,3 +334,27 @@ def test_hfacc_verify_objective_reward_on_the_embedded_pairs(capsys):
     out = capsys.readouterr().out
     assert code == 0 and "PASS" in out and "objective   reward" in out
     assert "LlamaForSequenceClassification" in out and "pairs per micro-batch (rank 0): [2, 2, 2, 2]" in out
+
+
+def test_grpo_trains_on_a_reward_model_given_by_its_path(tmp_path):
+    """GRPOTrainer with a reward model among reward_funcs (a path, as `hfacc grpo --reward_funcs <dir>` gives it):
+    each sampled completion is rewarded with the model's score of prompt + completion, logged under its name."""
+    from hfacc import build_default_model
+    from hfacc.generation.rewards import RewardModelFunction
+    from hfacc.models.loading import as_reward_model
+    from tests.grpo_setup import run_grpo
+
+    tokenizer = build_default_tokenizer()
+    reward = as_reward_model(build_default_model(tokenizer, hidden_size=32, num_layers=1, seed=3),
+                             tokenizer.pad_token_id)  # fmt: skip
+    path = tmp_path / "reward-model"
+    reward.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    trainer, capture, _ = run_grpo(tmp_path / "grpo", reward_funcs=(str(path),))
+    (func,) = trainer.reward_funcs
+    assert isinstance(func, RewardModelFunction) and func.__name__ == "reward-model"
+    rollout = capture.rollouts[0]
+    assert rollout.rewards.shape[1] == 1 and rollout.rewards.std() > 0  # scores that tell completions apart
+    logged = trainer.state.log_history[0]
+    assert logged["rewards/reward-model/mean"] == pytest.approx(rollout.rewards.mean().item())
+    assert len(capture.grads) == 1 and capture.grads[0].norm() > 0
