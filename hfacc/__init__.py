@@ -31,12 +31,19 @@ from .data.embedded import (
 )
 from .data.embedded_vision import build_tiny_vlm, generate_shape_examples
 from .data.formats import render_mask
-from .data.preference import DataCollatorForPreference, build_preference_dataset
+from .data.preference import DataCollatorForPreference, DataCollatorForUnpairedPreference, build_preference_dataset
 from .data.sft import DataArguments, build_sft_dataset
 from .data.sources import load_sft_source
 from .data.vision import DataCollatorForVisionLM, get_processor
 from .generation.evaluation import generate_answers
-from .models.loading import ModelArguments, apply_lora, get_tokenizer, load_causal_lm
+from .models.loading import (
+    ModelArguments,
+    apply_lora,
+    as_reward_model,
+    get_tokenizer,
+    load_causal_lm,
+    load_reward_model,
+)
 from .models.reference import precompute_reference_logps
 from .models.teacher import precompute_teacher_logprobs
 from .objectives import (
@@ -44,12 +51,14 @@ from .objectives import (
     DistillationObjective,
     DPOObjective,
     FunctionObjective,
+    KTOObjective,
     LossFunctionObjective,
     ModelLossObjective,
     MultiLabelObjective,
     Objective,
     PolicyGradientObjective,
     RegressionObjective,
+    RewardObjective,
     SequenceClassificationObjective,
     SetupContext,
     TokenObjective,
@@ -102,6 +111,12 @@ __all__ = [
     "build_preference_dataset",
     "DataCollatorForPreference",
     "precompute_reference_logps",
+    # reward models and unpaired preference (KTO)
+    "RewardObjective",
+    "KTOObjective",
+    "DataCollatorForUnpairedPreference",
+    "load_reward_model",
+    "as_reward_model",
     # models
     "get_tokenizer",
     "load_causal_lm",

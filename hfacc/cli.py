@@ -1,7 +1,9 @@
-"""The ``hfacc`` command: ``hfacc sft``, ``dpo``, ``grpo``, ``distill``, ``verify`` and ``show-mask``.
+"""The ``hfacc`` command: ``hfacc sft``, ``dpo``, ``reward``, ``kto``, ``grpo``, ``distill``, ``verify`` and ``show-mask``.
 
 hfacc sft                                      # the job of `accelerate launch recipes/sft.py` (hfacc/jobs/sft.py)
 hfacc dpo                                      # the job of `accelerate launch recipes/dpo.py` (hfacc/jobs/dpo.py)
+hfacc reward                                   # the job of `accelerate launch recipes/reward.py` (hfacc/jobs/reward.py)
+hfacc kto                                      # the job of `accelerate launch recipes/kto.py` (hfacc/jobs/kto.py)
 hfacc grpo                                     # the job of `accelerate launch recipes/grpo.py` (hfacc/jobs/grpo.py)
 hfacc distill                                  # the job of recipes/distill.py (hfacc/jobs/distill.py)
 hfacc verify                                   # embedded tiny Llama and data: PASS/FAIL in seconds
@@ -9,6 +11,8 @@ hfacc verify --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name my.jsonl --gr
 hfacc verify --config recipes/configs/smollm2-135m_full.yaml
 hfacc verify --objective dpo                   # preference pairs (--dataset_name: rows of prompt, chosen, rejected)
 hfacc verify --objective distill --teacher_model_name_or_path my-teacher   # distillation from your teacher
+hfacc verify --objective reward                # a reward model on pairs (--model_name_or_path: loaded with num_labels=1)
+hfacc verify --objective kto                   # unpaired rows with their KL rows (pairs are unpaired)
 accelerate launch --config_file accelerate_configs/ddp.yaml -m hfacc.cli verify    # the distributed path
 hfacc show-mask --dataset_name my.jsonl --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --count 3
 
@@ -25,6 +29,8 @@ from dataclasses import dataclass, field
 COMMANDS = {
     "sft": "fine-tune with loss masking and exact accumulation (the job of recipes/sft.py)",
     "dpo": "preference optimization (DPO, IPO, SimPO, ...), exact per pair (the job of recipes/dpo.py)",
+    "reward": "a reward model (Bradley-Terry), exact per pair (the job of recipes/reward.py)",
+    "kto": "KTO on unpaired rows, exact with the step's reference point (the job of recipes/kto.py)",
     "grpo": "online RL (GRPO, DAPO, Dr. GRPO) with exact accumulation (the job of recipes/grpo.py)",
     "distill": "knowledge distillation, exact per student token (the job of recipes/distill.py)",
     "verify": "check that accumulation equals one big batch for a model and data",
@@ -57,6 +63,14 @@ def main(argv: list[str] | None = None) -> int:
         from .jobs.dpo import cli as dpo_cli
 
         return dpo_cli(rest)
+    if command == "reward":
+        from .jobs.reward import cli as reward_cli
+
+        return reward_cli(rest)
+    if command == "kto":
+        from .jobs.kto import cli as kto_cli
+
+        return kto_cli(rest)
     if command == "grpo":
         from .jobs.grpo import cli as grpo_cli
 
@@ -101,17 +115,36 @@ def run_verify(argv: list[str], guard) -> int:
         prog="hfacc verify",
     )
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
-    model, tokenizer = load_model_and_tokenizer(model_args, seed=verify_args.seed)
+    objective = verify_args.objective
+    if objective == "reward" and model_args.model_name_or_path is not None:  # a reward model: one score per sequence
+        from .models.loading import load_reward_model, load_tokenizer
+
+        tokenizer = load_tokenizer(model_args)
+        model = load_reward_model(
+            model_args.model_name_or_path,
+            trust_remote_code=model_args.trust_remote_code,
+            dtype=model_args.dtype,
+            revision=model_args.model_revision,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    else:
+        model, tokenizer = load_model_and_tokenizer(model_args, seed=verify_args.seed)
+        if objective == "reward":  # the embedded tiny Llama's backbone with a score head
+            from .models.loading import as_reward_model
+
+            model = as_reward_model(model, tokenizer.pad_token_id, seed=verify_args.seed)
     need = (
         verify_args.per_device_train_batch_size * verify_args.gradient_accumulation_steps * accelerator.num_processes
     )
     # Extra rows: some may be dropped (no target left after truncation).
-    if verify_args.objective == "dpo":  # preference pairs: the user's (prompt/chosen/rejected) or embedded ones
-        from .data.preference import DataCollatorForPreference
+    if objective in ("dpo", "reward", "kto"):  # preference pairs (unpaired for KTO): the user's or embedded ones
+        from .data.preference import DataCollatorForPreference, DataCollatorForUnpairedPreference
         from .jobs.dpo import build_example_pairs
 
-        examples = build_example_pairs(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
-        collate = DataCollatorForPreference(tokenizer.pad_token_id)
+        count = max(2 * need, 32)
+        examples = build_example_pairs(data_args, tokenizer, count, seed=verify_args.seed, unpaired=objective == "kto")
+        pad = tokenizer.pad_token_id
+        collate = DataCollatorForUnpairedPreference(pad) if objective == "kto" else DataCollatorForPreference(pad)
     else:
         examples = build_examples(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
         if verify_args.objective == "grpo":  # a fixed rollout of the model on the data's prompts

@@ -128,6 +128,11 @@ def main(out_path: str) -> None:
 
     results["distillation"] = distillation_cases(tmp)
 
+    # Reward models and KTO (its reference point over both ranks) on the same two ranks: tests/reward_kto_check.py.
+    from tests.reward_kto_check import ddp_cases as reward_kto_cases
+
+    results["reward_kto"] = reward_kto_cases(tmp)
+
     if accelerator.is_main_process:
         Path(out_path).write_text(json.dumps(results, indent=2))
     accelerator.wait_for_everyone()

@@ -112,3 +112,27 @@ def test_on_policy_distillation_is_exact_on_two_ranks(results):
 def test_distillation_evaluation_counts_every_target_once_on_two_ranks(results):
     r = results["distillation"]["evaluation"]
     assert r["num_targets"] == r["want_targets"] and r["loss_error"] <= 1e-5 and r["agreement_error"] <= 1e-9
+
+
+@pytest.mark.parametrize("case", ["reward bs2 ga2 pf", "reward bs1 ga4 padded"])
+def test_reward_models_are_exact_on_two_ranks_with_uneven_pairs(results, case):
+    """tests/reward_kto_check.py: 7 pairs with margins over 2 ranks, centering on, against the big batch of all 7;
+    the logged extremes are those of all 14 scores."""
+    r = results["reward_kto"][case]
+    assert r["grad_error"] <= TOL and r["steps"] == 1 and r["num_pairs"] == 7
+    assert r["loss_error"] <= 1e-5 and r["extremes_error"] <= 1e-5
+    assert r["padding_free"] is ("padded" not in case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["kto copy bs2 ga2 pf", "kto given bs1 ga4 pf", "kto peft bs3 ga2 padded", "kto precomputed bs2 ga2 padded"],
+)
+def test_kto_is_exact_on_two_ranks_with_its_reference_point_over_both(results, case):
+    """7 unpaired rows over 2 ranks: z0 is the mean over all 7 KL rows (both ranks), taken before the first backward."""
+    r = results["reward_kto"][case]
+    assert r["grad_error"] <= TOL and r["steps"] == 1 and r["num_examples"] == 7
+    assert r["loss_error"] <= 1e-5 and r["kl_error"] <= 1e-5 * max(r["z0"], 1.0)
+    assert r["padding_free"] is ("padded" not in case)
+    if "precomputed" in case:
+        assert r["z0"] > 0.1  # the statistic is not hidden by its clamp at 0

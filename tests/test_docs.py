@@ -135,6 +135,15 @@ COMMANDS = {
         "skip",
         "the same verify runs in process, on a smaller embedded student, in tests/test_distillation.py",
     ),
+    "accelerate launch recipes/reward.py": (
+        "skip",
+        "the reward-model job (a short SFT first, then the reward model); tests/test_recipe_reward_kto.py runs it "
+        "shortened",
+    ),
+    "accelerate launch recipes/kto.py": (
+        "skip",
+        "the KTO job (a short SFT first, then KTO); tests/test_recipe_reward_kto.py runs it shortened",
+    ),
     "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
         "skip",
         "downloads Qwen2.5-0.5B-Instruct and its dataset from the Hub",

@@ -100,3 +100,8 @@ def test_notebook_runs(path, record_property):
         out = stdout_of(nb)
         assert "no_sync around forward and backward  : 1 all-reduce" in out
         assert "no_sync around backward only         : 4 all-reduce" in out
+    if path.name.startswith("09_"):  # KTO's reference point: each micro-batch's own z0 vs the step's, measured
+        rows = [line.split("|") for line in stdout_of(nb).splitlines() if re.match(r"^\dx\d", line)]
+        errors = {r[0].strip(): (float(r[1]), float(r[2])) for r in rows}
+        assert len(errors) == 4 and all(ours <= 1e-5 for _, ours in errors.values())
+        assert errors["2x4"][0] > 1e-3 and errors["3x3"][0] > 1e-3  # even the even split is off

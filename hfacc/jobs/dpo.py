@@ -55,40 +55,10 @@ SFT_DEFAULT_CONFIG = RECIPES / "configs" / "tiny_default.yaml"
 
 
 @dataclass
-class DPOArguments:
-    """The preference objective and the job's own settings (TRL's names where TRL has them)."""
+class PreferenceJobArguments:
+    """What the preference jobs (``hfacc dpo``, ``reward``, ``kto``) share: their data (the user's, or pairs of the
+    embedded tasks from an SFT start) and their held-out checks."""
 
-    beta: float = field(default=0.1, metadata={"help": "The loss's temperature (DPO's beta; IPO's tau)."})
-    loss_type: str = field(
-        default="sigmoid",
-        metadata={
-            "help": "Preference loss: sigmoid (DPO), ipo, hinge, robust, simpo (reference-free).",
-            "choices": list(LOSS_TYPES),
-        },
-    )
-    label_smoothing: float = field(
-        default=0.0,
-        metadata={"help": "sigmoid: conservative DPO's eps; robust: probability of a flipped label (< 0.5); simpo."},
-    )
-    nll_weight: float = field(
-        default=0.0,
-        metadata={"help": "Weight of the chosen answers' cross-entropy (per chosen token of the window; RPO style)."},
-    )
-    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO's target reward margin gamma."})
-    ref_model_name_or_path: str | None = field(
-        default=None,
-        metadata={
-            "help": "The reference model. None: a frozen copy of the policy as training starts (PEFT: its base)."
-        },
-    )
-    precompute_ref_log_probs: bool = field(
-        default=False,
-        metadata={
-            "help": "Compute the reference log-probs of every pair once before training (a progress bar), so "
-            "no reference model is held while training."
-        },
-    )
-    precompute_ref_batch_size: int = field(default=16, metadata={"help": "Pairs per batch of that precomputation."})
     sft_model_dir: str = field(
         default="outputs/sft-tiny",
         metadata={
@@ -152,18 +122,8 @@ class DPOArguments:
     )
 
     def __post_init__(self):
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type={self.loss_type!r}: use one of {list(LOSS_TYPES)}.")
-        if not self.beta > 0:
-            raise ValueError(f"beta={self.beta}: it must be > 0.")
-        if self.nll_weight < 0:
-            raise ValueError(f"nll_weight={self.nll_weight}: it must be >= 0 (0: no NLL term).")
         if self.truncation not in PREFERENCE_TRUNCATIONS:
             raise ValueError(f"truncation={self.truncation!r}: use one of {list(PREFERENCE_TRUNCATIONS)}.")
-        if self.loss_type == "simpo" and (self.ref_model_name_or_path or self.precompute_ref_log_probs):
-            raise ValueError(
-                "loss_type='simpo' is reference-free: drop ref_model_name_or_path / precompute_ref_log_probs."
-            )
         if self.num_embedded_prompts < 20:
             raise ValueError(f"num_embedded_prompts={self.num_embedded_prompts}: it must be >= 20.")
         if self.num_rejected_samples < 0:
@@ -176,17 +136,70 @@ class DPOArguments:
             raise ValueError(f"torch_threads={self.torch_threads}: it must be >= 0 (0: torch's default).")
 
 
+@dataclass
+class ReferenceJobArguments(PreferenceJobArguments):
+    """The reference model of the jobs whose loss compares the policy with one (DPO, KTO)."""
+
+    ref_model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "The reference model. None: a frozen copy of the policy as training starts (PEFT: its base)."
+        },
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the reference log-probs of every pair once before training (a progress bar), so "
+            "no reference model is held while training."
+        },
+    )
+    precompute_ref_batch_size: int = field(default=16, metadata={"help": "Pairs per batch of that precomputation."})
+
+
+@dataclass
+class DPOArguments(ReferenceJobArguments):
+    """The preference objective and the job's own settings (TRL's names where TRL has them)."""
+
+    beta: float = field(default=0.1, metadata={"help": "The loss's temperature (DPO's beta; IPO's tau)."})
+    loss_type: str = field(
+        default="sigmoid",
+        metadata={
+            "help": "Preference loss: sigmoid (DPO), ipo, hinge, robust, simpo (reference-free).",
+            "choices": list(LOSS_TYPES),
+        },
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={"help": "sigmoid: conservative DPO's eps; robust: probability of a flipped label (< 0.5); simpo."},
+    )
+    nll_weight: float = field(
+        default=0.0,
+        metadata={"help": "Weight of the chosen answers' cross-entropy (per chosen token of the window; RPO style)."},
+    )
+    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO's target reward margin gamma."})
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r}: use one of {list(LOSS_TYPES)}.")
+        if not self.beta > 0:
+            raise ValueError(f"beta={self.beta}: it must be > 0.")
+        if self.nll_weight < 0:
+            raise ValueError(f"nll_weight={self.nll_weight}: it must be >= 0 (0: no NLL term).")
+        super().__post_init__()
+        if self.loss_type == "simpo" and (self.ref_model_name_or_path or self.precompute_ref_log_probs):
+            raise ValueError(
+                "loss_type='simpo' is reference-free: drop ref_model_name_or_path / precompute_ref_log_probs."
+            )
+
+
 def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeightedArguments):
     start = time.perf_counter()
     if dpo_args.torch_threads:
         torch.set_num_threads(dpo_args.torch_threads)  # the short SFT, pair building and DPO all run in this process
     setup_console(args)
     set_seed(args.seed)
-    if args.label_smoothing_factor:  # the objective reads --label_smoothing (TRL's DPOConfig name): never both
-        raise ConfigError(
-            f"label_smoothing_factor={args.label_smoothing_factor} is transformers' cross-entropy smoothing, which "
-            "the DPO job does not read; set --label_smoothing (conservative DPO's eps, robust's flip rate) instead."
-        )
+    # The objective reads --label_smoothing (TRL's DPOConfig name): never both.
+    refuse_label_smoothing(args, "DPO", "set --label_smoothing (conservative DPO's eps, robust's flip rate) instead")
     resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
     embedded = model_args.model_name_or_path is None
     if embedded:
@@ -194,24 +207,7 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
     else:
         model, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
         started_from = model_args.model_name_or_path
-    if dpo_args.dataset_name is None:
-        if not embedded:
-            raise ConfigError(
-                "--dataset_name is needed with --model_name_or_path (pairs of prompt, chosen, rejected)."
-            )
-        with args.main_process_first(desc="building preference pairs"):
-            raw_train, raw_eval, held_out = build_embedded_pairs(model, tokenizer, dpo_args, seed=args.seed)
-    else:
-        raw_train, raw_eval = load_preference_source(
-            dpo_args.dataset_name,
-            config=dpo_args.dataset_config,
-            split=dpo_args.dataset_train_split,
-            eval_split=dpo_args.dataset_eval_split,
-            eval_fraction=dpo_args.eval_fraction,
-            max_examples=dpo_args.max_examples,
-            seed=args.seed,
-        )
-        held_out = conversations_of(raw_eval)
+    raw_train, raw_eval, held_out = load_preference_rows(dpo_args, model, tokenizer, args, embedded)
     options = dict(max_length=dpo_args.max_length, truncation=dpo_args.truncation)
     with args.main_process_first(desc="dataset tokenization"):
         train_ds = build_preference_dataset(raw_train, tokenizer, **options)
@@ -251,23 +247,15 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
             f"model  {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, from {started_from}"
         )
         write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out pairs")
-        micro = (
-            f"up to {args.max_tokens_per_batch:,} tokens"
-            if args.max_tokens_per_batch
-            else f"{args.per_device_train_batch_size} pairs"
-        )
-        write(f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)")
+        write(describe_batch(args, "pairs"))
         write(
             f"loss   {dpo_args.loss_type}, beta {dpo_args.beta}"
             + (f", nll_weight {dpo_args.nll_weight}" if dpo_args.nll_weight else "")
         )
     conversations = held_out[: dpo_args.num_exact_match_examples]
     exact_before = exact_match(trainer, tokenizer, conversations, dpo_args, "before training")
-    before = trainer.evaluate()
-    train_result = trainer.train(resume_from_checkpoint=resume)
+    before, train_result, after = train_between_evaluations(trainer, resume)
     step = trainer.state.global_step
-    final = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] == step and step > 0]
-    after = final[-1] if final else trainer.evaluate()
     exact_after = exact_match(trainer, tokenizer, conversations, dpo_args, "after training")
     trainer.save_model()
     metrics = {
@@ -299,6 +287,58 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
     return metrics
 
 
+def describe_batch(args: TokenWeightedArguments, unit: str) -> str:
+    """The console's ``batch`` line: a micro-batch (``unit``s, or a token budget) x accumulation x processes."""
+    micro = (
+        f"up to {args.max_tokens_per_batch:,} tokens"
+        if args.max_tokens_per_batch
+        else f"{args.per_device_train_batch_size} {unit}"
+    )
+    return f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)"
+
+
+def train_between_evaluations(trainer, resume):
+    """``(eval before, train result, eval after)``: the held-out metrics before and after ``trainer.train``; after:
+    the evaluation the Trainer ran at its last step (eval_strategy "steps"), or one now."""
+    before = trainer.evaluate()
+    train_result = trainer.train(resume_from_checkpoint=resume)
+    step = trainer.state.global_step
+    final = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] == step and step > 0]
+    return before, train_result, final[-1] if final else trainer.evaluate()
+
+
+def refuse_label_smoothing(args: TokenWeightedArguments, job: str, fix: str = "leave it 0") -> None:
+    """transformers' ``label_smoothing_factor`` smooths a cross-entropy the preference jobs do not compute: a
+    ConfigError before any training, not a setting silently ignored."""
+    if args.label_smoothing_factor:
+        raise ConfigError(
+            f"label_smoothing_factor={args.label_smoothing_factor} is transformers' cross-entropy smoothing, which "
+            f"the {job} job does not read; {fix}."
+        )
+
+
+def load_preference_rows(job_args: PreferenceJobArguments, model, tokenizer, args, embedded: bool):
+    """``(train rows, eval rows, held-out conversations)``: the rows of ``--dataset_name``, or for the embedded
+    default pairs of the embedded tasks built with ``model`` (the SFT start: its own wrong answers are rejected)."""
+    if job_args.dataset_name is None:
+        if not embedded:
+            raise ConfigError(
+                "--dataset_name is needed with --model_name_or_path (pairs of prompt, chosen, rejected)."
+            )
+        with args.main_process_first(desc="building preference pairs"):
+            return build_embedded_pairs(model, tokenizer, job_args, seed=args.seed)
+    raw_train, raw_eval = load_preference_source(
+        job_args.dataset_name,
+        config=job_args.dataset_config,
+        split=job_args.dataset_train_split,
+        eval_split=job_args.dataset_eval_split,
+        eval_fraction=job_args.eval_fraction,
+        max_examples=job_args.max_examples,
+        seed=args.seed,
+    )
+    return raw_train, raw_eval, conversations_of(raw_eval)
+
+
 def exact_match(trainer, tokenizer, conversations, dpo_args, when: str):
     """``(score, samples, by task)`` of greedy answers to held-out ``conversations`` (rank 0 only; None: skipped)."""
     if not conversations or not trainer.is_world_process_zero():
@@ -328,20 +368,27 @@ def format_summary(metrics: dict, output_dir: str) -> str:
             f"reward accuracy      {metrics['reward_accuracy_before']:.3f} -> {metrics['reward_accuracy_after']:.3f}"
             f"  (held-out pairs; margin {metrics['reward_margin_after']:.3f})"
         )
-    if "exact_match_before" in metrics:
-        lines.append(
-            f"exact match          {metrics['exact_match_before']:.3f} -> {metrics['exact_match_after']:.3f} on "
-            f"{len(metrics['samples'])} held-out prompts"
-        )
-        by_task = sorted(metrics["exact_match_by_task_after"].items(), key=lambda kv: -kv[1])
-        if by_task and by_task != [("all", metrics["exact_match_after"])]:
-            lines.append("  by task: " + ", ".join(f"{task} {score:.2f}" for task, score in by_task))
+    lines += exact_match_lines(metrics)
     lines += [f"wall time            {metrics['wall_time_s']} s", f"outputs              {output_dir}", ""]
     return "\n".join(lines)
 
 
+def exact_match_lines(metrics: dict) -> list[str]:
+    """The summary's exact-match lines (before -> after, by task), if the run measured it."""
+    if "exact_match_before" not in metrics:
+        return []
+    lines = [
+        f"exact match          {metrics['exact_match_before']:.3f} -> {metrics['exact_match_after']:.3f} on "
+        f"{len(metrics['samples'])} held-out prompts"
+    ]
+    by_task = sorted(metrics["exact_match_by_task_after"].items(), key=lambda kv: -kv[1])
+    if by_task and by_task != [("all", metrics["exact_match_after"])]:
+        lines.append("  by task: " + ", ".join(f"{task} {score:.2f}" for task, score in by_task))
+    return lines
+
+
 # ---- the embedded default: an SFT start and pairs from its own answers -----------------------------------------
-def load_sft_start(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeightedArguments):
+def load_sft_start(dpo_args: PreferenceJobArguments, model_args: ModelArguments, args: TokenWeightedArguments):
     """``(model, tokenizer, where from)``: the SFT recipe's output if it is there, else a short SFT run now."""
     directory = Path(dpo_args.sft_model_dir)
     if not (directory / "model.safetensors").is_file():
@@ -354,7 +401,9 @@ def load_sft_start(dpo_args: DPOArguments, model_args: ModelArguments, args: Tok
     return model, tokenizer, str(directory)
 
 
-def run_short_sft(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeightedArguments, directory: Path):
+def run_short_sft(
+    dpo_args: PreferenceJobArguments, model_args: ModelArguments, args: TokenWeightedArguments, directory: Path
+):
     """The SFT recipe's embedded default (recipes/configs/tiny_default.yaml), shortened to ``sft_max_steps``."""
     from ..data.sft import DataArguments
     from .sft import SFT_ARGUMENTS
@@ -393,7 +442,7 @@ def plausible_wrong_answer(answer: str, task: str, rng: random.Random) -> str:
     return answer + answer[-1:]
 
 
-def build_embedded_pairs(model, tokenizer, dpo_args: DPOArguments, seed: int = 0):
+def build_embedded_pairs(model, tokenizer, dpo_args: PreferenceJobArguments, seed: int = 0):
     """``(train rows, eval rows, held-out conversations)`` of preference pairs from the starting model's mistakes.
 
     Prompts come from the embedded instruction data (seeded apart from the SFT recipe's). The model answers each
@@ -451,7 +500,7 @@ def build_embedded_pairs(model, tokenizer, dpo_args: DPOArguments, seed: int = 0
     return datasets.Dataset.from_list(train), datasets.Dataset.from_list(evaluation), held_out
 
 
-def sample_answers(model, tokenizer, prompts, dpo_args: DPOArguments, seed: int = 0) -> list[str]:
+def sample_answers(model, tokenizer, prompts, dpo_args: PreferenceJobArguments, seed: int = 0) -> list[str]:
     """``num_rejected_samples`` sampled answers per prompt (prompt-major), seeded apart from training's RNG."""
     k = dpo_args.num_rejected_samples
     if not k:
@@ -467,12 +516,13 @@ def sample_answers(model, tokenizer, prompts, dpo_args: DPOArguments, seed: int 
     return [a.strip() for a in answers]
 
 
-def build_example_pairs(data_args, tokenizer, count: int, seed: int = 0):
-    """``count`` tokenized pairs for ``hfacc verify --objective dpo``: the first rows of ``data_args.dataset_name``
-    (prompt/chosen/rejected), or pairs of the embedded tasks (the right answer against a plausible wrong one)."""
+def build_example_pairs(data_args, tokenizer, count: int, seed: int = 0, unpaired: bool = False):
+    """``count`` tokenized pairs for ``hfacc verify --objective dpo`` (and ``reward``): the first rows of
+    ``data_args.dataset_name`` (prompt/chosen/rejected), or pairs of the embedded tasks (the right answer against a
+    plausible wrong one); ``unpaired`` (``--objective kto``): those rows unpaired, each with its KL row."""
     import datasets
 
-    options = dict(max_length=data_args.max_length)
+    options = dict(max_length=data_args.max_length, unpaired=unpaired)
     if data_args.dataset_name is not None:
         raw, _ = load_preference_source(
             data_args.dataset_name,

@@ -7,6 +7,8 @@
 - :mod:`~hfacc.objectives.function`: objectives from the user's functions (``FunctionObjective``,
   ``compute_loss_func``);
 - :mod:`~hfacc.objectives.preference`: preference pairs (DPO, IPO, hinge, robust DPO, SimPO), exact per pair;
+- :mod:`~hfacc.objectives.reward`: reward models (Bradley-Terry, margins, centering), exact per pair;
+- :mod:`~hfacc.objectives.kto`: KTO on unpaired rows, exact per row with the step's reference point;
 - :mod:`~hfacc.objectives.policy_gradient`: the clipped policy-gradient loss of the GRPO family on rollout rows;
 - :mod:`~hfacc.objectives.distillation`: knowledge distillation (TRL's generalized JSD), exact per student token;
 - :mod:`~hfacc.objectives.choice`: :func:`get_objective`, which one a model calls for (``objective="auto"``).
@@ -26,8 +28,10 @@ from .heads import (
     SequenceClassificationObjective,
     TokenObjective,
 )
+from .kto import KTOObjective
 from .policy_gradient import PolicyGradientObjective
 from .preference import DPOObjective
+from .reward import RewardObjective
 
 __all__ = [
     "Objective",
@@ -42,6 +46,8 @@ __all__ = [
     "FunctionObjective",
     "LossFunctionObjective",
     "DPOObjective",
+    "RewardObjective",
+    "KTOObjective",
     "PolicyGradientObjective",
     "DistillationObjective",
     "OBJECTIVES",

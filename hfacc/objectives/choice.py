@@ -21,8 +21,10 @@ from .heads import (
     SequenceClassificationObjective,
     TokenObjective,
 )
+from .kto import KTOObjective
 from .policy_gradient import PolicyGradientObjective
 from .preference import DPOObjective
+from .reward import RewardObjective
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ OBJECTIVES = {
         DPOObjective,
         PolicyGradientObjective,
         DistillationObjective,
+        RewardObjective,
+        KTOObjective,
     )
 }
 
@@ -75,8 +79,8 @@ def _pick_objective(model: nn.Module, batch: Mapping[str, Any], name: str, label
             raise ValueError(f"objective must be 'auto' or one of {sorted(OBJECTIVES)}, got {name!r}")
         if name == "token":
             return TokenObjective(label_smoothing, encoder_decoder=is_encoder_decoder)
-        if name == PolicyGradientObjective.name:  # its settings are its own (loss_type, epsilon, ...): the defaults
-            return PolicyGradientObjective()
+        if name in (PolicyGradientObjective.name, RewardObjective.name, KTOObjective.name):
+            return OBJECTIVES[name]()  # their settings are their own (loss_type, beta, ...): the defaults
         return OBJECTIVES[name](label_smoothing=label_smoothing)
 
     labels = batch.get("labels")

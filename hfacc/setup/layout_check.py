@@ -265,11 +265,12 @@ def choose_padding_free(
         return PaddingFreeChoice(False)
     preferred = uses_one_row(model)
     longest = _row_lengths(batch, accelerator, max_tokens_per_batch, longest_sequence)
+    view = objective.layout_view(model)  # what the objective reads at each position (a reward model: its scores)
     # Each layout, in order of preference: exact (checked at training's row length), exact up to a row length, or not.
     exact, bounded, reasons = None, None, {}
     with check_precision(model) as precision:  # what the checks below compute in, said in the log
         for one_row in (preferred, not preferred):
-            problem = check_padding_free(model, batch, one_row)
+            problem = check_padding_free(view, batch, one_row)
             if problem is None and takes_images(model):
                 problem = _image_problem(model, batch, one_row)  # a vision-language model: with real images
             if not all_ranks_agree(problem is None, accelerator):
@@ -277,7 +278,7 @@ def choose_padding_free(
                 continue
             target = longest[one_row]
             # The short check's rows hold up to CHECK_TOKENS; longer ones run as long as training will lay them out.
-            length, why = check_row_offsets(model, batch, target) if target > CHECK_TOKENS else (target, None)
+            length, why = check_row_offsets(view, batch, target) if target > CHECK_TOKENS else (target, None)
             length = _min_over_ranks(length, accelerator)
             if length >= target:
                 # Verified up to the target, not beyond: a longer row later could read offsets nothing here ran.
@@ -399,15 +400,22 @@ def _run_check(
             # hfacc.data.multimodal: mrope models see the sequences of a row too (unchanged for other models)
             outputs = model(**with_packed_positions(model, model_inputs(batch)), use_cache=False)
             logits = get_logits(outputs).float()
-            targets = _targets(batch)
-            losses = F.cross_entropy(
-                logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-            ).view(targets.shape)
+            if logits.dim() == 3 and logits.shape[-1] == 1:
+                # A scorer (a reward model, hfacc.ops.scores.PerPositionScores): its value at every real position is
+                # what its loss may read (each sequence's last one), so that value is the check's loss.
+                real = batch["attention_mask"].bool() if "attention_mask" in batch else batch["sequence_ids"] >= 0
+                losses, counted = torch.where(real, logits[..., 0], 0.0), real
+            else:
+                targets = _targets(batch)
+                losses = F.cross_entropy(
+                    logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+                ).view(targets.shape)
+                counted = targets != IGNORE_INDEX
             aux = get_aux_loss(model, outputs)
             grad = None
             if len(leaf) == 1:
                 if watched is None:
-                    loss = losses.sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+                    loss = losses.sum() / counted.sum().clamp(min=1)
                     loss = loss + (aux if aux is not None else 0)
                 else:  # a sum, not a mean: no rounding toward 0 of a small leak in half precision
                     loss = losses[watched].sum()

@@ -110,7 +110,13 @@ def audit_window(trainer) -> float:
             )
             for piece in pieces:
                 loss, _, _ = compute_micro_batch_loss(
-                    trainer.objective, model, piece, window, normalization=normalization, world_size=scale
+                    trainer.objective,
+                    model,
+                    piece,
+                    window,
+                    normalization=normalization,
+                    world_size=scale,
+                    statistics=trainer.window.statistics,  # the window's, as training read them
                 )
                 loss.backward()
         if accelerator.num_processes > 1:

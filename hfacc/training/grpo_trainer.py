@@ -34,6 +34,7 @@ from torch import nn
 from transformers import TrainingArguments
 
 from ..data.collator import DataCollatorForCausalLM
+from ..generation.rewards import get_reward_function
 from ..generation.rollout import SCALE_REWARDS, Rollout, SamplingSettings, build_rollout, get_reward_name
 from ..objectives.policy_gradient import LOSS_TYPE_ALIASES, LOSS_TYPES, PolicyGradientObjective
 from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
@@ -165,11 +166,15 @@ class GRPOTrainer(TokenWeightedTrainer):
         model: the policy, a causal LM (its ``generate`` samples the completions).
         reward_funcs: a function ``f(prompts, completions, **columns) -> list[float]`` or a list of them; ``columns``
             are the prompts dataset's other columns, one entry per completion. Chat prompts get completions as
-            ``[{"role": "assistant", "content": text}]`` (as in TRL).
+            ``[{"role": "assistant", "content": text}]`` (as in TRL). A reward model (a sequence-classification model
+            with ``num_labels=1``, or the path of one) scores prompt + completion through its own tokenizer, as in TRL
+            (:class:`hfacc.generation.rewards.RewardModelFunction`).
         args: :class:`GRPOArguments` (a plain ``TrainingArguments`` is converted, with GRPO's defaults).
         train_dataset: prompts: a ``"prompt"`` column of text or chat messages, plus any columns the rewards read.
         processing_class: the tokenizer (chat template, EOS and pad token).
         ref_model: the reference for ``beta > 0`` (None: a frozen copy as training starts, or a PEFT policy's base).
+        reward_processing_classes: the tokenizer of each reward model among ``reward_funcs`` (one, or a list with
+            one entry per reward function, None for functions); None: each model's own, saved with it (TRL's name).
         callbacks, optimizers, **kwargs: as for ``transformers.Trainer`` (no ``eval_dataset``: score held-out prompts
             after training, as ``recipes/grpo.py`` does).
 
@@ -191,6 +196,7 @@ class GRPOTrainer(TokenWeightedTrainer):
         processing_class=None,
         ref_model: nn.Module | None = None,
         callbacks=None,
+        reward_processing_classes=None,
         optimizers=(None, None),
         **kwargs,
     ):
@@ -203,6 +209,13 @@ class GRPOTrainer(TokenWeightedTrainer):
                 "reports their reward and exact match) and pass no eval_dataset."
             )
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        tokenizers = reward_processing_classes
+        if not isinstance(tokenizers, (list, tuple)):
+            tokenizers = [tokenizers] * len(funcs)
+        if len(tokenizers) != len(funcs):
+            raise ValueError(f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward_funcs.")
+        # Reward models (objects or paths) become functions that score through their own tokenizer (TRL's rule).
+        funcs = [get_reward_function(f, t, args.device) for f, t in zip(funcs, tokenizers, strict=True)]
         if not funcs or not all(callable(f) for f in funcs):
             raise ValueError("reward_funcs must be a function f(prompts, completions, **columns) or a list of them.")
         check_reward_weights(args.reward_weights, funcs)

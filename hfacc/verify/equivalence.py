@@ -227,6 +227,10 @@ def verify_accumulation(
     named = [(n, p) for n, p in get_base_model(model).named_parameters() if p.requires_grad]
 
     window = count_window(objective.count, micro_batches, accelerator, size=len(objective.units))
+    # A statistic of the whole window (KTO's reference point), as training takes it; what peers do instead is each
+    # micro-batch's own (the stock path passes none, so each micro-batch is its own window).
+    with torch.no_grad():
+        statistics = objective.window_statistics(wrapped, micro_batches, accelerator)
     scale = get_gradient_scale(accelerator.distributed_type, world)
 
     def accumulate(which: str, autocast: torch.dtype | None = None) -> torch.Tensor:
@@ -240,7 +244,13 @@ def verify_accumulation(
             with sync, amp:
                 if which == "hfacc":
                     loss, _, _ = compute_micro_batch_loss(
-                        objective, wrapped, batch, window, normalization=normalization, world_size=scale
+                        objective,
+                        wrapped,
+                        batch,
+                        window,
+                        normalization=normalization,
+                        world_size=scale,
+                        statistics=statistics,
                     )
                 elif objective.stock_normalization:  # what peers do with this loss (DPO: each micro-batch's mean / k)
                     loss, _, _ = compute_micro_batch_loss(
