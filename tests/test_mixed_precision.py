@@ -153,12 +153,43 @@ def vlm_run():
     return Run(model_for(family), examples_for(family), DataCollatorForVisionLM(processor_for(family)), {})
 
 
-# Each objective's tiny run. An objective of this round (distillation, reward models, KTO) joins with one entry:
-# a function returning the Run of 8 examples its own tests train (collated by its collator; a teacher or reference
-# given inside its objective), e.g. "distillation": distillation_run. The test trains it at bs 8 x GA 1 in fp32 and
-# bf16 and at bs 4 x GA 2 in bf16, and asserts padding-free in each (an objective without padding-free support
-# belongs elsewhere).
-BF16_RUNS = {"sft": sft_run, "dpo": dpo_run, "grpo": grpo_run, "vlm": vlm_run}
+def distillation_run():
+    from hfacc import DistillationObjective
+    from tests.distillation_reference import make_student, make_teacher, uneven_examples
+
+    objective = DistillationObjective(make_teacher(), beta=0.5, ce_weight=0.5)  # the teacher placed like the student
+    return Run(make_student(), uneven_examples(8), COLLATE, {"objective": objective})
+
+
+def reward_run():
+    from hfacc import RewardObjective
+    from tests.reward_kto_reference import reward_pairs, tiny_reward_model
+
+    return Run(tiny_reward_model(), reward_pairs(8), DataCollatorForPreference(0), {"objective": RewardObjective()})
+
+
+def kto_run():
+    from hfacc import DataCollatorForUnpairedPreference, KTOObjective
+    from tests.reward_kto_reference import unpaired_rows
+
+    model = build_tiny_llama(vocab_size=64, hidden_size=32, num_layers=1)
+    # its reference a frozen copy; the reference point z0 a statistic of the window, taken in bf16 too
+    return Run(model, unpaired_rows(8), DataCollatorForUnpairedPreference(0), {"objective": KTOObjective()})
+
+
+# Each objective's tiny run: a function returning the Run of 8 examples its own tests train (collated by its
+# collator; a teacher or reference given inside its objective). The test trains it at bs 8 x GA 1 in fp32 and bf16
+# and at bs 4 x GA 2 in bf16, and asserts padding-free in each (an objective without padding-free support belongs
+# elsewhere). A new objective joins with one entry.
+BF16_RUNS = {
+    "sft": sft_run,
+    "dpo": dpo_run,
+    "grpo": grpo_run,
+    "vlm": vlm_run,
+    "distillation": distillation_run,
+    "reward": reward_run,
+    "kto": kto_run,
+}
 
 
 @pytest.mark.parametrize("name", list(BF16_RUNS))
