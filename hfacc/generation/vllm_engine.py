@@ -127,12 +127,22 @@ def get_checkpoint_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
+def get_architecture(model: nn.Module) -> type:
+    """The model's own class (FSDP2's ``fully_shard`` makes it ``FSDP<Class>``, a subclass of it)."""
+    cls = type(get_base_model(unwrap_model(model)))
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch < 2.6
+        return cls
+    return next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+
+
 def get_expected_weights(model: nn.Module) -> dict[str, tuple[int, ...]]:
     """The checkpoint names and shapes of ``model``'s architecture, from an empty copy on the meta device: what a
     weight copy must hold, exactly, before it reaches the engine."""
     base = get_base_model(unwrap_model(model))
     with torch.device("meta"):
-        empty = type(base)(copy.deepcopy(base.config))
+        empty = get_architecture(base)(copy.deepcopy(base.config))
     expected = {n: tuple(p.shape) for n, p in empty.named_parameters(remove_duplicate=False)}
     for name, tensor in empty.state_dict().items():
         expected.setdefault(name, tuple(tensor.shape))  # persistent buffers
@@ -160,7 +170,7 @@ def write_engine_directory(model: nn.Module, tokenizer) -> str:
     """A directory with the policy's config and tokenizer, which vLLM builds its (dummy-weighted) model from."""
     base = get_base_model(unwrap_model(model))
     config = copy.deepcopy(base.config)
-    config.architectures = [type(base).__name__]
+    config.architectures = [get_architecture(base).__name__]
     # vLLM also stops at the config's EOS tokens; the trainer's sampling stops at the tokenizer's, and only there.
     config.eos_token_id = tokenizer.eos_token_id
     path = tempfile.mkdtemp(prefix="hfacc-vllm-")
@@ -240,6 +250,7 @@ class VLLMEngine(GenerationEngine):
                 max_num_seqs,
                 self.max_model_len,
             )
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes  # None: vLLM's share of the GPU decides
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             logger.warning("hfacc: VLLM_ENABLE_V1_MULTIPROCESSING=0 for the colocated engine (it was %s).",
                            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"])  # fmt: skip
@@ -263,8 +274,9 @@ class VLLMEngine(GenerationEngine):
         if enable_sleep_mode:
             options["enable_sleep_mode"] = True
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Each rank its own engine, its groups built over the trainer's world (TRL's colocate setting).
-            options["distributed_executor_backend"] = "external_launcher"
+            if torch.distributed.get_world_size() > 1:
+                # Each rank its own engine, its groups built over the trainer's world (TRL's colocate setting).
+                options["distributed_executor_backend"] = "external_launcher"
         from vllm import LLM
 
         with keep_global_rng():
@@ -419,7 +431,7 @@ def count_devices(use_cpu: bool = False) -> int:
     return torch.cuda.device_count() if not use_cpu and torch.cuda.is_available() else 1
 
 
-def check_vllm_settings(args, world_size: int = 1) -> None:
+def check_vllm_settings(args) -> None:
     """Check :class:`VLLMArguments` before any training: ``ValueError`` naming the setting and the fix."""
     if not args.use_vllm:
         return
@@ -465,22 +477,31 @@ def check_vllm_settings(args, world_size: int = 1) -> None:
 
 
 def build_generation_engine(
-    args, model: nn.Module, tokenizer, accelerator=None, *, max_model_len: int | None = None, batch_size: int = 256
+    args,
+    model: nn.Module,
+    tokenizer,
+    accelerator=None,
+    *,
+    seed: int | None = None,
+    max_model_len: int | None = None,
+    batch_size: int = 256,
 ) -> GenerationEngine:
     """The engine ``args`` asks for (:class:`VLLMArguments`): the policy's own ``generate``, or a colocated vLLM
     engine built from ``model`` (its weights copied in at once). Every process of a multi-process run must build it
     at the same time (vLLM builds its process groups over the trainer's).
 
-    ``max_model_len``: the longest prompt + completion it must serve (None: ``args.vllm_max_model_length``, else the
-    model's); ``batch_size``: the most sequences one generation asks for (sizes the KV cache on a CPU).
+    ``seed``: the run's (None: ``args.seed``), each rank's engine seeded from it and its rank; ``max_model_len``: the
+    longest prompt + completion it must serve (None: ``args.vllm_max_model_length``, else the model's);
+    ``batch_size``: the most sequences one generation asks for (sizes the KV cache on a CPU).
     """
     if not getattr(args, "use_vllm", False):
         return TransformersEngine(model, tokenizer)
     check_vllm_settings(args)
+    seed = args.seed if seed is None else seed
     return VLLMEngine(
         model,
         tokenizer,
-        seed=args.seed + (accelerator.process_index if accelerator is not None else 0),
+        seed=seed + (accelerator.process_index if accelerator is not None else 0),
         max_model_len=args.vllm_max_model_length or max_model_len,
         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
         kv_cache_memory_bytes=args.vllm_kv_cache_memory_bytes,
