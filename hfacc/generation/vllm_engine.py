@@ -37,6 +37,7 @@ import os
 import random
 import shutil
 import tempfile
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -72,6 +73,26 @@ def keep_global_rng():
         torch.random.set_rng_state(states[2])
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+class _ReloadNoise(logging.Filter):
+    """Drops vLLM's warning at every weight reload that the rotary embedding got no weights: its cos/sin cache is
+    no weight of the checkpoint, and vLLM keeps it as it was (the log-probs after a copy match to 1e-5)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+
+
+def quiet_vllm_logs() -> None:
+    """vLLM's INFO lines (a weight reload, a prefix-cache reset: several per optimizer step) and its harmless reload
+    warning left out of a trainer's console, unless ``VLLM_LOGGING_LEVEL`` asks for them."""
+    if "VLLM_LOGGING_LEVEL" in os.environ:
+        return
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.setLevel(logging.WARNING)
+    for handler in vllm_logger.handlers:  # children's records reach these: a filter on the logger would not see them
+        if not any(isinstance(f, _ReloadNoise) for f in handler.filters):
+            handler.addFilter(_ReloadNoise())
 
 
 def get_engine_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -277,9 +298,12 @@ class VLLMEngine(GenerationEngine):
             if torch.distributed.get_world_size() > 1:
                 # Each rank its own engine, its groups built over the trainer's world (TRL's colocate setting).
                 options["distributed_executor_backend"] = "external_launcher"
-        from vllm import LLM
+        with keep_global_rng(), warnings.catch_warnings():
+            # vLLM's import touches torch.distributed.reduce_op, which torch deprecates: not the user's to act on.
+            warnings.filterwarnings("ignore", message=".*reduce_op.*deprecated", category=FutureWarning)
+            from vllm import LLM
 
-        with keep_global_rng():
+            quiet_vllm_logs()
             self.llm = LLM(**options)
         self.model = model
         self.sync_weights(model)

@@ -19,6 +19,13 @@ are needed (TRL's rule).
 Each rank samples the completions of its own prompts (a prompt's group never spans ranks), so advantages need no
 communication; the logged rewards, lengths and clip ratios are sums over all ranks and the logging interval, each
 over its own unit.
+
+The sampling goes through the trainer's generation engine (:mod:`hfacc.generation.engine`): the policy's own
+``generate``, or with ``use_vllm=True`` a vLLM engine in each process (:mod:`hfacc.generation.vllm_engine`) that
+gets the policy's weights before every generation that follows an optimizer step. With vLLM the policy's own
+log-probs of the samples are taken right after sampling: their difference from the sampler's is logged
+(``sampling/sampling_logp_difference/*``) and, with the correction on, turned into per-token importance weights
+(TRL's ``vllm_importance_sampling_*``), data of the rows like ``old_logps``, so the step stays exact.
 """
 
 from __future__ import annotations
