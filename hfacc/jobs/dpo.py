@@ -35,6 +35,7 @@ from ..data.preference import (
     load_preference_source,
 )
 from ..generation.evaluation import exact_match_by_group, exact_match_on_conversations, generate_answers
+from ..generation.vllm_engine import VLLMArguments, build_generation_engine, check_vllm_settings
 from ..models.loading import ModelArguments, get_tokenizer, load_causal_lm, load_model_and_tokenizer
 from ..models.reference import precompute_reference_logps
 from ..objectives.preference import LOSS_TYPES, DPOObjective
@@ -53,8 +54,9 @@ SFT_DEFAULT_CONFIG = RECIPES / "configs" / "tiny_default.yaml"
 
 
 @dataclass
-class DPOArguments:
-    """The preference objective and the job's own settings (TRL's names where TRL has them)."""
+class DPOArguments(VLLMArguments):
+    """The preference objective and the job's own settings (TRL's names where TRL has them); ``use_vllm`` (and the
+    engine's :class:`hfacc.generation.vllm_engine.VLLMArguments`) answers the held-out prompts with vLLM."""
 
     beta: float = field(default=0.1, metadata={"help": "The loss's temperature (DPO's beta; IPO's tau)."})
     loss_type: str = field(
@@ -136,6 +138,7 @@ class DPOArguments:
     )
 
     def __post_init__(self):
+        check_vllm_settings(self)
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r}: use one of {list(LOSS_TYPES)}.")
         if not self.beta > 0:
@@ -242,13 +245,19 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
             + (f", nll_weight {dpo_args.nll_weight}" if dpo_args.nll_weight else "")
         )
     conversations = held_out[: dpo_args.num_exact_match_examples]
-    exact_before = exact_match(trainer, tokenizer, conversations, dpo_args, "before training")
+    engine = None
+    if conversations and dpo_args.use_vllm:  # every process builds its engine together; the main one answers
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        engine = build_generation_engine(dpo_args, policy, tokenizer, trainer.accelerator, seed=args.seed)
+    exact_before = exact_match(trainer, tokenizer, conversations, dpo_args, "before training", engine)
     before = trainer.evaluate()
     train_result = trainer.train(resume_from_checkpoint=resume)
     step = trainer.state.global_step
     final = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] == step and step > 0]
     after = final[-1] if final else trainer.evaluate()
-    exact_after = exact_match(trainer, tokenizer, conversations, dpo_args, "after training")
+    if engine is not None:  # the trained weights (on every process: a sharded policy is gathered for the copy)
+        engine.update(trainer.accelerator.unwrap_model(trainer.model), version=step)
+    exact_after = exact_match(trainer, tokenizer, conversations, dpo_args, "after training", engine)
     trainer.save_model()
     metrics = {
         "train": train_result.metrics,
@@ -279,13 +288,19 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
     return metrics
 
 
-def exact_match(trainer, tokenizer, conversations, dpo_args, when: str):
-    """``(score, samples, by task)`` of greedy answers to held-out ``conversations`` (rank 0 only; None: skipped)."""
+def exact_match(trainer, tokenizer, conversations, dpo_args, when: str, engine=None):
+    """``(score, samples, by task)`` of greedy answers to held-out ``conversations`` (rank 0 only; None: skipped),
+    answered by ``engine`` (vLLM, holding the policy's weights) when given."""
     if not conversations or not trainer.is_world_process_zero():
         return None
-    write(f"exact match {when}: answering {len(conversations)} held-out prompts greedily")
+    on = " (vLLM)" if engine is not None else ""
+    write(f"exact match {when}: answering {len(conversations)} held-out prompts greedily{on}")
     score, samples = exact_match_on_conversations(
-        trainer.model, tokenizer, [c["messages"] for c in conversations], max_new_tokens=dpo_args.max_new_tokens
+        trainer.model,
+        tokenizer,
+        [c["messages"] for c in conversations],
+        max_new_tokens=dpo_args.max_new_tokens,
+        engine=engine,
     )
     tasks = [c.get("task") or "all" for c in conversations]
     rows = [
