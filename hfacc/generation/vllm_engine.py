@@ -83,9 +83,20 @@ class _ReloadNoise(logging.Filter):
         return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
 
 
+def get_logging_options() -> dict:
+    """vLLM's INFO lines (its settings at start, a weight reload and a prefix-cache reset several times per optimizer
+    step) left out of a trainer's console at WARNING, unless ``VLLM_LOGGING_LEVEL`` asks for them: ``LLM()`` applies
+    its own logging configuration, so the level goes in as its setting."""
+    if "VLLM_LOGGING_LEVEL" in os.environ:
+        return {}
+    from vllm.config.logging import LoggingConfig
+
+    return {"logging_config": LoggingConfig(log_level="WARNING")}
+
+
 def quiet_vllm_logs() -> None:
-    """vLLM's INFO lines (a weight reload, a prefix-cache reset: several per optimizer step) and its harmless reload
-    warning left out of a trainer's console, unless ``VLLM_LOGGING_LEVEL`` asks for them."""
+    """vLLM's harmless warning at every weight reload left out, unless ``VLLM_LOGGING_LEVEL`` asks for it. Call it
+    after ``LLM()``, whose logging configuration replaces the handlers."""
     if "VLLM_LOGGING_LEVEL" in os.environ:
         return
     vllm_logger = logging.getLogger("vllm")
@@ -303,8 +314,8 @@ class VLLMEngine(GenerationEngine):
             warnings.filterwarnings("ignore", message=".*reduce_op.*deprecated", category=FutureWarning)
             from vllm import LLM
 
-            quiet_vllm_logs()
-            self.llm = LLM(**options)
+            self.llm = LLM(**options, **get_logging_options())
+        quiet_vllm_logs()
         self.model = model
         self.sync_weights(model)
 
