@@ -1,6 +1,7 @@
 """Target tokens/s and peak memory: stock Trainer vs TRL SFTTrainer vs hfacc, interleaved in one process.
 
     python benchmarks/throughput.py                    # CPU, fp32: the numbers in benchmarks/README.md
+    python benchmarks/throughput.py --dtype bf16 --clock cpu --threads 1     # CPU, bf16=True (bf16 autocast)
     python benchmarks/throughput.py --device cuda --dtype bf16 --vocab 128256 --hidden 1024 --layers 8  # a GPU
     python benchmarks/throughput.py --device cuda --dtype bf16 --attention flash_attention_2 ...           # varlen
 

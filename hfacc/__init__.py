@@ -31,25 +31,36 @@ from .data.embedded import (
 )
 from .data.embedded_vision import build_tiny_vlm, generate_shape_examples
 from .data.formats import render_mask
-from .data.preference import DataCollatorForPreference, build_preference_dataset
+from .data.preference import DataCollatorForPreference, DataCollatorForUnpairedPreference, build_preference_dataset
 from .data.sft import DataArguments, build_sft_dataset
 from .data.sources import load_sft_source
 from .data.vision import DataCollatorForVisionLM, get_processor
 from .generation.engine import GenerationEngine, TransformersEngine
 from .generation.evaluation import generate_answers
 from .generation.vllm_engine import VLLMArguments, VLLMEngine, build_generation_engine
-from .models.loading import ModelArguments, apply_lora, get_tokenizer, load_causal_lm
+from .models.loading import (
+    ModelArguments,
+    apply_lora,
+    as_reward_model,
+    get_tokenizer,
+    load_causal_lm,
+    load_reward_model,
+)
 from .models.reference import precompute_reference_logps
+from .models.teacher import precompute_teacher_logprobs
 from .objectives import (
     CausalLMObjective,
+    DistillationObjective,
     DPOObjective,
     FunctionObjective,
+    KTOObjective,
     LossFunctionObjective,
     ModelLossObjective,
     MultiLabelObjective,
     Objective,
     PolicyGradientObjective,
     RegressionObjective,
+    RewardObjective,
     SequenceClassificationObjective,
     SetupContext,
     TokenObjective,
@@ -72,6 +83,7 @@ from .runtime.memory import peak_memory
 from .training.accumulation import MicroBatch, accumulation_window, iter_windows
 from .training.arguments import TokenWeightedArguments
 from .training.audit import AccumulationAuditCallback
+from .training.distill_trainer import DistillationArguments, DistillationTrainer
 from .training.grpo_trainer import GRPOArguments, GRPOTrainer
 from .training.step_gate import NonFiniteLossError
 from .training.trainer import TokenWeightedTrainer
@@ -101,6 +113,12 @@ __all__ = [
     "build_preference_dataset",
     "DataCollatorForPreference",
     "precompute_reference_logps",
+    # reward models and unpaired preference (KTO)
+    "RewardObjective",
+    "KTOObjective",
+    "DataCollatorForUnpairedPreference",
+    "load_reward_model",
+    "as_reward_model",
     # models
     "get_tokenizer",
     "load_causal_lm",
@@ -126,6 +144,11 @@ __all__ = [
     "LossFunctionObjective",
     "DPOObjective",
     "get_objective",
+    # knowledge distillation (from a teacher, from stored top-K log-probs)
+    "DistillationObjective",
+    "precompute_teacher_logprobs",
+    "DistillationTrainer",
+    "DistillationArguments",
     # online policy gradients (GRPO, DAPO, Dr. GRPO)
     "PolicyGradientObjective",
     "GRPOTrainer",

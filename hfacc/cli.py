@@ -1,12 +1,18 @@
-"""The ``hfacc`` command: ``hfacc sft``, ``hfacc dpo``, ``hfacc grpo``, ``hfacc verify`` and ``hfacc show-mask``.
+"""The ``hfacc`` command: ``hfacc sft``, ``dpo``, ``reward``, ``kto``, ``grpo``, ``distill``, ``verify`` and ``show-mask``.
 
 hfacc sft                                      # the job of `accelerate launch recipes/sft.py` (hfacc/jobs/sft.py)
 hfacc dpo                                      # the job of `accelerate launch recipes/dpo.py` (hfacc/jobs/dpo.py)
+hfacc reward                                   # the job of `accelerate launch recipes/reward.py` (hfacc/jobs/reward.py)
+hfacc kto                                      # the job of `accelerate launch recipes/kto.py` (hfacc/jobs/kto.py)
 hfacc grpo                                     # the job of `accelerate launch recipes/grpo.py` (hfacc/jobs/grpo.py)
+hfacc distill                                  # the job of recipes/distill.py (hfacc/jobs/distill.py)
 hfacc verify                                   # embedded tiny Llama and data: PASS/FAIL in seconds
 hfacc verify --model_name_or_path Qwen/Qwen2.5-0.5B --dataset_name my.jsonl --gradient_accumulation_steps 8
 hfacc verify --config recipes/configs/smollm2-135m_full.yaml
 hfacc verify --objective dpo                   # preference pairs (--dataset_name: rows of prompt, chosen, rejected)
+hfacc verify --objective distill --teacher_model_name_or_path my-teacher   # distillation from your teacher
+hfacc verify --objective reward                # a reward model on pairs (--model_name_or_path: loaded with num_labels=1)
+hfacc verify --objective kto                   # unpaired rows with their KL rows (pairs are unpaired)
 accelerate launch --config_file accelerate_configs/ddp.yaml -m hfacc.cli verify    # the distributed path
 hfacc show-mask --dataset_name my.jsonl --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --count 3
 
@@ -23,7 +29,10 @@ from dataclasses import dataclass, field
 COMMANDS = {
     "sft": "fine-tune with loss masking and exact accumulation (the job of recipes/sft.py)",
     "dpo": "preference optimization (DPO, IPO, SimPO, ...), exact per pair (the job of recipes/dpo.py)",
+    "reward": "a reward model (Bradley-Terry), exact per pair (the job of recipes/reward.py)",
+    "kto": "KTO on unpaired rows, exact with the step's reference point (the job of recipes/kto.py)",
     "grpo": "online RL (GRPO, DAPO, Dr. GRPO) with exact accumulation (the job of recipes/grpo.py)",
+    "distill": "knowledge distillation, exact per student token (the job of recipes/distill.py)",
     "verify": "check that accumulation equals one big batch for a model and data",
     "show-mask": "print examples with the tokens that carry loss highlighted",
 }
@@ -54,10 +63,22 @@ def main(argv: list[str] | None = None) -> int:
         from .jobs.dpo import cli as dpo_cli
 
         return dpo_cli(rest)
+    if command == "reward":
+        from .jobs.reward import cli as reward_cli
+
+        return reward_cli(rest)
+    if command == "kto":
+        from .jobs.kto import cli as kto_cli
+
+        return kto_cli(rest)
     if command == "grpo":
         from .jobs.grpo import cli as grpo_cli
 
         return grpo_cli(rest)
+    if command == "distill":
+        from .jobs.distill import cli as distill_cli
+
+        return distill_cli(rest)
     from .jobs.console import pop_debug_flag, setup_console, user_errors
 
     setup_console()  # warnings as plain lines; no bars for the handful of rows these commands tokenize
@@ -73,34 +94,63 @@ def run_verify(argv: list[str], guard) -> int:
     from .data.collator import DataCollatorForCausalLM
     from .data.sft import DataArguments, build_examples
     from .data.vision import DataCollatorForVisionLM, is_vision_processor
+    from .jobs.distill import DistillJobArguments
     from .jobs.sft import SFTArguments
     from .models.loading import ModelArguments, load_model_and_tokenizer
     from .runtime.config import parse_args
     from .training.arguments import TokenWeightedArguments
-    from .verify.equivalence import VerifyArguments, verify_accumulation
+    from .training.distill_trainer import DistillationArguments
+    from .verify.equivalence import (
+        DistillVerifyArguments,
+        VerifyArguments,
+        build_verify_distillation,
+        verify_accumulation,
+    )
 
-    verify_args, model_args, data_args = guard.settings = parse_args(
-        [VerifyArguments, ModelArguments, DataArguments],
+    verify_args, model_args, data_args, distill_args = guard.settings = parse_args(
+        [VerifyArguments, ModelArguments, DataArguments, DistillVerifyArguments],
         argv,
-        ignore_types=(TokenWeightedArguments, SFTArguments),  # a recipe config's training keys are not verify's
+        # a recipe config's training keys are not verify's
+        ignore_types=(TokenWeightedArguments, SFTArguments, DistillJobArguments, DistillationArguments),
         prog="hfacc verify",
     )
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
-    model, tokenizer = load_model_and_tokenizer(model_args, seed=verify_args.seed)
+    objective = verify_args.objective
+    if objective == "reward" and model_args.model_name_or_path is not None:  # a reward model: one score per sequence
+        from .models.loading import load_reward_model, load_tokenizer
+
+        tokenizer = load_tokenizer(model_args)
+        model = load_reward_model(
+            model_args.model_name_or_path,
+            trust_remote_code=model_args.trust_remote_code,
+            dtype=model_args.dtype,
+            revision=model_args.model_revision,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    else:
+        model, tokenizer = load_model_and_tokenizer(model_args, seed=verify_args.seed)
+        if objective == "reward":  # the embedded tiny Llama's backbone with a score head
+            from .models.loading import as_reward_model
+
+            model = as_reward_model(model, tokenizer.pad_token_id, seed=verify_args.seed)
     need = (
         verify_args.per_device_train_batch_size * verify_args.gradient_accumulation_steps * accelerator.num_processes
     )
     # Extra rows: some may be dropped (no target left after truncation).
-    if verify_args.objective == "dpo":  # preference pairs: the user's (prompt/chosen/rejected) or embedded ones
-        from .data.preference import DataCollatorForPreference
+    if objective in ("dpo", "reward", "kto"):  # preference pairs (unpaired for KTO): the user's or embedded ones
+        from .data.preference import DataCollatorForPreference, DataCollatorForUnpairedPreference
         from .jobs.dpo import build_example_pairs
 
-        examples = build_example_pairs(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
-        collate = DataCollatorForPreference(tokenizer.pad_token_id)
+        count = max(2 * need, 32)
+        examples = build_example_pairs(data_args, tokenizer, count, seed=verify_args.seed, unpaired=objective == "kto")
+        pad = tokenizer.pad_token_id
+        collate = DataCollatorForUnpairedPreference(pad) if objective == "kto" else DataCollatorForPreference(pad)
     else:
         examples = build_examples(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
         if verify_args.objective == "grpo":  # a fixed rollout of the model on the data's prompts
             return _verify_policy_gradient(verify_args, model, tokenizer, examples, accelerator)
+        if verify_args.objective == "distill":  # the objective of the user's teacher and settings
+            verify_args.objective = build_verify_distillation(distill_args, model_args, tokenizer, verify_args.seed)
         if is_vision_processor(tokenizer):  # a vision-language model's processor: images decoded per micro-batch
             collate = DataCollatorForVisionLM(tokenizer)
         else:

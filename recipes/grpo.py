@@ -1,6 +1,6 @@
 """Online RL (GRPO, DAPO, Dr. GRPO) with exact accumulation: each optimizer step divides by what it consumes.
 
-    accelerate launch recipes/grpo.py                      # embedded default: offline, CPU, about 5 minutes
+    accelerate launch recipes/grpo.py                      # embedded default: offline, runs on a CPU
     accelerate launch recipes/grpo.py --loss_type sequence --beta 0.04 --max_steps 100
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/grpo.py   # two processes
 

@@ -1,6 +1,6 @@
 """Supervised fine-tuning with loss masking and exact gradient accumulation.
 
-    accelerate launch recipes/sft.py                       # embedded default: offline, CPU, under 3 minutes
+    accelerate launch recipes/sft.py                       # embedded default: offline, runs on a CPU
     accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sft.py   # two processes
 

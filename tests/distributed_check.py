@@ -123,6 +123,15 @@ def main(out_path: str) -> None:
     from tests.preference_check import ddp_cases
 
     results["preference"] = ddp_cases(tmp)
+    # Distillation (a teacher model, stored top-K, on-policy) on the same two ranks: tests/distillation_check.py.
+    from tests.distillation_check import ddp_cases as distillation_cases
+
+    results["distillation"] = distillation_cases(tmp)
+
+    # Reward models and KTO (its reference point over both ranks) on the same two ranks: tests/reward_kto_check.py.
+    from tests.reward_kto_check import ddp_cases as reward_kto_cases
+
+    results["reward_kto"] = reward_kto_cases(tmp)
 
     if accelerator.is_main_process:
         Path(out_path).write_text(json.dumps(results, indent=2))

@@ -346,6 +346,9 @@ def main(engine: str, out_path: str) -> None:
             from tests.preference_check import zero3_cases  # DPO: the reference partitioned like the policy
 
             results["preference"] = zero3_cases(dpo_trainer_run)
+            from tests.distillation_check import zero3_cases as distillation_zero3_cases  # the teacher partitioned
+
+            results["distillation"] = distillation_zero3_cases(dpo_trainer_run)
         results["fused_vs_plain"] = relative_error(applied["trainer bs1 ga4 fused"], applied["trainer bs1 ga4 plain"])
         results["zero_stage"] = int(engine[-1])
         results["nonfinite"] = nonfinite_case()
@@ -382,6 +385,9 @@ def main(engine: str, out_path: str) -> None:
             "fsdp2 loop copy": fsdp2_case(accelerator, VOCAB),
             "fsdp2 loop given": fsdp2_case(accelerator, VOCAB, given=True),
         }
+        from tests.distillation_check import fsdp2_case as distillation_fsdp2_case  # the teacher sharded like it
+
+        results["distillation"] = distillation_fsdp2_case(accelerator)
     else:
         raise SystemExit(f"unknown engine {engine!r}")
 

@@ -237,6 +237,11 @@ def recipe_types(module):
         return list(module.GRPO_ARGUMENTS)
     if hasattr(module, "DPO_ARGUMENTS"):  # recipes/dpo.py
         return list(module.DPO_ARGUMENTS)
+    if hasattr(module, "DISTILL_ARGUMENTS"):  # recipes/distill.py
+        return list(module.DISTILL_ARGUMENTS)
+    for name in ("REWARD_ARGUMENTS", "KTO_ARGUMENTS"):  # recipes/reward.py, recipes/kto.py
+        if hasattr(module, name):
+            return list(getattr(module, name))
     from hfacc import TokenWeightedArguments
     from hfacc.data.sft import DataArguments
     from hfacc.models.loading import ModelArguments

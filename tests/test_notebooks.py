@@ -87,7 +87,21 @@ def test_notebook_runs(path, record_property):
         for row in rows:  # "bs x GA  hfacc-error  per-micro-batch-error"
             exact, usual = float(row[3]), float(row[4])
             assert exact <= 1e-6 and (usual > 0.05 or row[:3] == ["8", "x", "1"])
+    if path.name.startswith("08_"):  # the student token as the unit: every split, and the stored top-K
+        out = stdout_of(nb)
+        rows = [line.split() for line in out.splitlines() if re.match(r"^\d x \d ", line)]
+        assert len(rows) == 4
+        for row in rows:  # "bs x GA  hfacc-error  per-micro-batch-error"
+            exact, usual = float(row[3]), float(row[4])
+            assert exact <= 1e-6 and (usual > 0.05 or row[:3] == ["8", "x", "1"])
+        assert float(re.search(r"top-64 stored.*update (\S+)", out).group(1)) <= 1e-6
+        assert float(re.search(r"\((\d+)x too small\)", out).group(1)) > 10
     if path.name.startswith("05_"):
         out = stdout_of(nb)
         assert "no_sync around forward and backward  : 1 all-reduce" in out
         assert "no_sync around backward only         : 4 all-reduce" in out
+    if path.name.startswith("09_"):  # KTO's reference point: each micro-batch's own z0 vs the step's, measured
+        rows = [line.split("|") for line in stdout_of(nb).splitlines() if re.match(r"^\dx\d", line)]
+        errors = {r[0].strip(): (float(r[1]), float(r[2])) for r in rows}
+        assert len(errors) == 4 and all(ours <= 1e-5 for _, ours in errors.values())
+        assert errors["2x4"][0] > 1e-3 and errors["3x3"][0] > 1e-3  # even the even split is off

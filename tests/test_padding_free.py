@@ -114,6 +114,10 @@ def tiny_config(family):
         "gemma3": lambda: T.Gemma3TextConfig(**common, head_dim=8, sliding_window=8),
         "phi3": lambda: T.Phi3Config(**common, pad_token_id=0),
         "gpt_neox": lambda: T.GPTNeoXConfig(**{k: v for k, v in common.items() if k != "num_key_value_heads"}),
+        # Scales its input embeddings in place (by sqrt(d_model)): the check's gradient probe must not be a leaf.
+        "ctrl": lambda: T.CTRLConfig(
+            vocab_size=VOCAB, n_embd=32, dff=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0, embd_pdrop=0
+        ),
     }[family]()
 
 
@@ -125,7 +129,7 @@ def gradient(model, batch, fused=False, per_sequence=False):
     return flat_grad(model)
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "gpt_neox"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3", "phi3", "gpt_neox", "ctrl"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -136,6 +140,9 @@ def test_every_family_gets_the_padded_gradient(family):
     assert check_padding_free(model, pad(examples)) is None
     # (side, fused loss, per-sequence sums, one row or rows of the longest sequence)
     cases = [("right", False, False, True), ("left", True, False, False), ("right", False, True, False)]
+    if family == "ctrl":  # absolute positions from the row's first column, padding included: left padding moves them
+        assert "its logits by" in check_padding_free(model, left_pad(examples))  # so left-padded data stays padded
+        cases = [("right", *case[1:]) for case in cases]
     for side, fused, per_sequence, one_row in cases:
         batch = pad(examples) if side == "right" else left_pad(examples)
         padded = gradient(model, batch, fused, per_sequence)
@@ -393,7 +400,8 @@ def test_layers_that_run_across_packed_sequences_train_padded(tmp_path, caplog, 
     assert relative_error(capture.grads[0], reference) <= 1e-6
     assert not trainer.padding_free
     assert len(warnings) == 1 and warnings[0].startswith("hfacc: padded micro-batches, as collated: packed rows")
-    assert warnings[0].count("(a leak) by") == 2  # both layouts
+    assert warnings[0].count("(a leak) by") == 4  # both layouts, by the logits and by the gradient
+    assert warnings[0].count("reaches the one before it in its row (a leak) by") == 2
     batch = pad(examples)
     padded = micro_batch_gradient(model, batch)
     for one_row in (False, True):

@@ -83,21 +83,37 @@ def test_hfacc_sft_runs_the_recipes_job(tmp_path, capsys):
     assert command["train"]["train_loss"] == recipe["train"]["train_loss"]
 
 
-def test_resumed_run_ends_with_the_same_weights(tmp_path):
+REQUEUED = ["--auto_resume_from_checkpoints", "true"]  # the command a scheduler relaunches after each preemption
+
+
+def same_weights(a_dir, b_dir) -> None:
+    a, b = load_file(a_dir / "model.safetensors"), load_file(b_dir / "model.safetensors")
+    for name in a:
+        diff = ((a[name].double() - b[name].double()).norm() / a[name].double().norm().clamp(min=1e-12)).item()
+        assert diff <= 1e-6, name
+
+
+def test_resumed_run_ends_with_the_same_weights(tmp_path, caplog):
     full = tmp_path / "full"
-    run_in_process(full)
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        run_in_process(full, *REQUEUED)  # the job's first launch: nothing to resume, so it starts afresh
+    assert f"no complete checkpoint of this run in {full}: starting afresh" in caplog.text
     # An interrupted run: only checkpoint-2 survived. Resuming must continue from step 2, not restart.
     resumed = tmp_path / "resumed"
     resumed.mkdir()
     shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
     metrics = run_in_process(resumed, "--resume_from_checkpoint", "last")
     assert metrics["steps"] == 4
-    a, b = load_file(full / "model.safetensors"), load_file(resumed / "model.safetensors")
-    for name in a:
-        diff = ((a[name].double() - b[name].double()).norm() / a[name].double().norm().clamp(min=1e-12)).item()
-        assert diff <= 1e-6, name
+    same_weights(full, resumed)
     history = json.loads((resumed / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
     assert [h["step"] for h in history if "loss" in h] == [1, 2, 3, 4]  # steps 1-2 from the checkpoint, 3-4 new
+    # The same command requeued after the job ended: from checkpoint-4, nothing trained, the same weights.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        run_in_process(full, *REQUEUED)
+    assert f"resuming from {full / 'checkpoint-4'} (step 4)" in caplog.text
+    assert "the run is finished, nothing was trained" in caplog.text
+    same_weights(full, resumed)
 
 
 @pytest.mark.distributed

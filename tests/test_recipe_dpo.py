@@ -11,7 +11,7 @@ from tests.helpers import load_recipe, recipe_types
 pytestmark = pytest.mark.slow
 
 SHORT = [
-    "--sft_max_steps", "3", "--sft_num_examples", "120", "--num_embedded_pairs", "40", "--max_steps", "3",
+    "--sft_max_steps", "3", "--sft_num_examples", "120", "--num_embedded_prompts", "40", "--max_steps", "3",
     "--embedded_hidden_size", "64", "--embedded_num_layers", "1", "--num_exact_match_examples", "4",
     "--max_new_tokens", "6", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
     "--eval_steps", "3", "--logging_steps", "1", "--warmup_steps", "0", "--disable_tqdm", "true",

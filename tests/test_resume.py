@@ -237,6 +237,90 @@ def test_a_kill_at_any_point_of_a_save_never_makes_last_take_a_broken_checkpoint
     assert check.relative_error(check.weights(model), full) <= TOL
 
 
+# ---- requeued jobs: the same command, relaunched until it finishes --------------------------------------------------
+REQUEUED = {**ONE_EPOCH, "settings": {**ONE_EPOCH["settings"], "auto_resume_from_checkpoints": True}}
+
+
+def count_micro_batches(trainer) -> list[int]:
+    """A one-item list counting the micro-batches ``trainer`` trains from now on."""
+    count, step = [0], trainer.training_step
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return step(*args, **kwargs)
+
+    trainer.training_step = counted
+    return count
+
+
+def test_a_requeued_job_resumes_its_own_last_checkpoint_or_starts_afresh(two_checkpoints, tmp_path, monkeypatch):
+    """A scheduler relaunches the same command after every kill: before the first complete checkpoint (afresh),
+    between checkpoints (from the newest complete one) and after the last (nothing to train); each launch says which
+    it did, and the run ends with the uninterrupted run's weights. Before: `--resume_from_checkpoint last` stopped
+    the first relaunch with "no complete checkpoint in ..." (as stock does)."""
+    _, full = two_checkpoints
+    out = tmp_path / "run"
+    monkeypatch.setattr(checkpoints, "_said_auto", set())
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("hfacc").addHandler(handler)
+    try:
+        # Launch 1: killed while saving checkpoint-1, before its RNG state: no complete checkpoint yet.
+        trainer, _ = check.make_trainer(out, REQUEUED)
+        trainer._save_rng_state = dies(trainer._save_rng_state)
+        with pytest.raises(Killed):
+            trainer.train()
+        assert (out / "checkpoint-1").is_dir() and not (out / "checkpoint-1" / MARKER).is_file()
+        # Launch 2: afresh; killed while saving checkpoint-3, after trainer_state.json, before the marker.
+        mark = checkpoints.mark_checkpoint_complete
+
+        def dying_mark(checkpoint, *args, **kwargs):
+            if Path(checkpoint).name == "checkpoint-3":
+                raise Killed
+            return mark(checkpoint, *args, **kwargs)
+
+        monkeypatch.setattr(checkpoints, "mark_checkpoint_complete", dying_mark)
+        trainer, _ = check.make_trainer(out, REQUEUED)
+        with pytest.raises(Killed):
+            trainer.train()
+        monkeypatch.setattr(checkpoints, "mark_checkpoint_complete", mark)
+        assert any(f"no complete checkpoint of this run in {out}: starting afresh" in m for m in said), said
+        assert any("skipping" in m and "checkpoint-1" in m for m in said), said
+        # Launch 3: from checkpoint-2 (checkpoint-3 is incomplete), to the end.
+        trainer, model = check.make_trainer(out, REQUEUED)
+        trained = count_micro_batches(trainer)
+        trainer.train()
+        assert any(f"resuming from {out / 'checkpoint-2'} (step 2)" in m for m in said), said
+        assert trained == [2]  # step 3 only: one window of 2 micro-batches
+        assert check.relative_error(check.weights(model), full) <= TOL
+        finished = check.weights(model)
+        # Launch 4, requeued after the run ended: from checkpoint-3, nothing trained, launch 3's weights exactly
+        # (launch 3 itself matches the uninterrupted run within TOL: its resumed step may round differently).
+        trainer, model = check.make_trainer(out, REQUEUED)
+        trained = count_micro_batches(trainer)
+        trainer.train()
+        assert trained == [0]
+        assert any(f"resuming from {out / 'checkpoint-3'} (step 3)" in m for m in said), said
+        assert any("the run is finished, nothing was trained" in m for m in said), said
+        assert torch.equal(check.weights(model), finished)
+    finally:
+        logging.getLogger("hfacc").removeHandler(handler)
+
+
+def test_a_requeued_job_never_takes_another_runs_checkpoints(two_checkpoints, tmp_path, caplog):
+    """Relaunched into a directory of another run's checkpoints: refused, as a new run there is (never continued)."""
+    root, _ = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "full", out)
+    other = {**REQUEUED, "settings": {**REQUEUED["settings"], "learning_rate": 1e-3}}
+    trainer, _ = check.make_trainer(out, other)
+    with pytest.raises(ConfigError, match=r"holds checkpoints of another run .*learning_rate 0.02 there, 0.001 here"):
+        trainer.train()
+    with pytest.raises(ValueError, match="auto_resume_from_checkpoints and overwrite_output_dir"):
+        check.make_trainer(out, {**other, "settings": {**other["settings"], "overwrite_output_dir": True}})
+
+
 CORRUPTIONS = {
     "flipped byte in model.safetensors": ("model.safetensors", "flip"),
     "flipped byte in optimizer.pt": ("optimizer.pt", "flip"),
@@ -348,8 +432,10 @@ def test_a_checkpoint_of_another_number_of_processes_is_not_taken_for_this_runs(
     shutil.copytree(root / "full", out)
     saved = json.loads((out / "checkpoint-3" / MARKER).read_text())["run"]
     assert saved["world_size"] == 1 and {"bf16", "length_group_size", "dataloader_drop_last"} <= set(saved)
-    with pytest.raises(ConfigError, match=r"no checkpoint of this run .*world_size 1 there, 2 here"):
+    with pytest.raises(ConfigError, match=r"no checkpoint of this run .*world_size 1 there, 2 here") as refused:
         resolve_checkpoint("last", out, {**saved, "world_size": 2})
+    # Before: "were saved by another run (it was saved by another run (world_size ...))".
+    assert "were saved by another run (world_size 1 there, 2 here)." in str(refused.value)
     with pytest.raises(ConfigError, match=r"holds checkpoints of another run .*bf16 False there, True here"):
         checkpoints.check_output_dir(out, {**saved, "bf16": True}, resuming=False)
     # A marker of an older hfacc, without the settings recorded since, is still this run's.

@@ -418,7 +418,7 @@ def test_qwen_processor_loads_without_torchvision(tmp_path):
 def test_the_tiny_vlm_recipe_runs_a_few_steps(tmp_path, caplog):
     """recipes/configs/tiny-vlm.yaml, shortened for CI and packed (rows of several conversations and their
     pictures, checked against their sequences padded): the tiny Qwen2.5-VL trains on pictures and answers held-out
-    pictures (the full run, padding-free: README)."""
+    pictures (the full run, padding-free: docs/vision.md)."""
     from hfacc.runtime.config import parse_args
     from tests.helpers import load_recipe, recipe_types
 

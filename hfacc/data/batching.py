@@ -16,6 +16,7 @@ import datasets
 from torch.utils.data import DataLoader, Sampler
 
 from ..ops.loss import IGNORE_INDEX
+from .collator import TEACHER_COLUMNS
 from .multimodal import IMAGE_COLUMN
 
 logger = logging.getLogger(__name__)
@@ -178,9 +179,12 @@ def pack_examples(examples: Sequence[dict], max_length: int) -> list[dict]:
             raise ValueError(f"example {i} has {length} tokens, more than the packing length {max_length}.")
     # Examples with images (hfacc.data.vision) keep them, in order: a row's images are its sequences' images.
     images = any(e.get(IMAGE_COLUMN) for e in examples)
+    # Per-token columns (stored teacher log-probs of distillation) are laid out with their tokens.
+    per_token = [c for c in TEACHER_COLUMNS if examples and all(e.get(c) is not None for e in examples)]
     packed = []
     for members in best_fit_decreasing(lengths, max_length):
         ids, labels, positions, pictures = [], [], [], []
+        extra = {c: [] for c in per_token}
         for i in members:
             seq = list(examples[i]["input_ids"])
             given = examples[i].get("labels")
@@ -191,7 +195,9 @@ def pack_examples(examples: Sequence[dict], max_length: int) -> list[dict]:
             labels += [IGNORE_INDEX] + lab[1:]
             positions += list(range(len(seq)))
             pictures += list(examples[i].get(IMAGE_COLUMN) or [])
-        packed.append({"input_ids": ids, "labels": labels, "position_ids": positions})
+            for c in per_token:
+                extra[c] += list(examples[i][c])
+        packed.append({"input_ids": ids, "labels": labels, "position_ids": positions, **extra})
         if images:
             packed[-1][IMAGE_COLUMN] = pictures
     return packed
@@ -201,7 +207,7 @@ def pack_dataset(dataset, max_length: int):
     """:func:`pack_examples` for a ``datasets.Dataset`` with ``input_ids`` and ``labels``; logs the row count."""
     import datasets
 
-    columns = [c for c in ("input_ids", "labels", IMAGE_COLUMN) if c in dataset.column_names]
+    columns = [c for c in ("input_ids", "labels", IMAGE_COLUMN, *TEACHER_COLUMNS) if c in dataset.column_names]
     rows = pack_examples(dataset.select_columns(columns).to_list(), max_length)
     tokens = sum(len(r["input_ids"]) for r in rows)
     logger.info(

@@ -17,6 +17,9 @@ logger = logging.getLogger(__name__)
 # per-token floats aligned with input_ids.
 ROW_FLOATS = ("advantages",)
 TOKEN_FLOATS = ("old_logps", "ref_logps", "importance_weights")
+# Stored teacher log-probs of distillation (hfacc.precompute_teacher_logprobs, Axolotl's columns): per token a [K] list
+# of token ids and one of log-probs, row t the teacher's distribution of token t.
+TEACHER_COLUMNS = ("target_token_ids", "target_logprobs")
 
 
 @dataclass
@@ -32,7 +35,9 @@ class DataCollatorForCausalLM:
 
     Examples keep their ``labels``; an example without labels is trained on every token (``labels = input_ids``).
     Policy-gradient rollout rows also keep ``advantages`` (one float per row, ``[B]``) and ``old_logps`` /
-    ``ref_logps`` / ``importance_weights`` (one float per token, padded with 0: ``[B, T]``).
+    ``ref_logps`` / ``importance_weights`` (one float per token, padded with 0: ``[B, T]``); distillation rows their
+    stored teacher top-K, ``target_token_ids`` and ``target_logprobs`` (a ``[K]`` list per token, padded with 0:
+    ``[B, T, K]``).
     Packed rows (examples with ``position_ids``, or with TRL's ``seq_lengths``: the length of each sequence in the
     row) get ``position_ids`` that restart per sequence and no ``attention_mask``: see
     :func:`hfacc.data.batching.pack_examples`. Their targets never cross a sequence boundary
@@ -91,6 +96,9 @@ class DataCollatorForCausalLM:
                     if len(v) != len(x):
                         raise ValueError(f"example {i} of the micro-batch: {len(x)} input_ids but {len(v)} {key}")
                 batch[key] = _pad(values, length, 0.0, torch.float32)
+        for key, dtype in zip(TEACHER_COLUMNS, (torch.long, torch.float32), strict=True):
+            if all(e.get(key) is not None for e in examples):
+                batch[key] = _pad_lists([list(e[key])[: self.max_length] for e in examples], ids, length, key, dtype)
         if all(e.get("position_ids") is None and e.get("seq_lengths") is not None for e in examples):
             examples = [{**e, "position_ids": _positions_from_lengths(e, i)} for i, e in enumerate(examples)]
         if all(e.get("position_ids") is not None for e in examples):
@@ -127,6 +135,25 @@ def _pad(rows: Sequence[Sequence[float]], length: int, value: float, dtype: torc
     out = torch.full((len(rows), length), value, dtype=dtype)
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
+    return out
+
+
+def _pad_lists(rows, ids, length: int, key: str, dtype: torch.dtype) -> torch.Tensor:
+    """Per-token ``[K]`` lists of each example as one ``[B, length, K]`` tensor, 0 on padding."""
+    widths = {len(v) for row in rows for v in row}
+    for i, (x, row) in enumerate(zip(ids, rows, strict=True)):
+        if len(row) != len(x):
+            raise ValueError(
+                f"example {i} of the micro-batch: {len(x)} input_ids but {len(row)} {key} (one per token)"
+            )
+    if len(widths) > 1:
+        raise ValueError(
+            f"{key}: lists of different lengths {sorted(widths)} in one micro-batch; one K for all tokens"
+        )
+    out = torch.zeros(len(rows), length, widths.pop() if widths else 0, dtype=dtype)
+    for i, row in enumerate(rows):
+        if row:
+            out[i, : len(row)] = torch.as_tensor(row, dtype=dtype)
     return out
 
 

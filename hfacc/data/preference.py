@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..ops.loss import IGNORE_INDEX, count_example_targets
@@ -40,7 +42,10 @@ from .streaming import SFTStream, _worth_saying
 logger = logging.getLogger(__name__)
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
+UNPAIRED_COLUMNS = ("prompt", "completion", "label")  # TRL's unpaired (KTO) format
+KTO_REFERENCE_COLUMNS = ("ref_logps", "ref_kl_logps")  # precomputed: the completion's and the KL row's
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+MARGIN = "margin"  # a pair's required reward gap (TRL's RewardTrainer column), kept with the pair
 REF_LOGPS = "ref_logps"  # the batch key of precomputed reference log-probs, one per row ([2B]: chosen, then rejected)
 SIDES = ("chosen", "rejected")
 # What to do with a sequence longer than max_length: "right" cuts its end (the answer's end: TRL's keep_start),
@@ -68,42 +73,15 @@ def encode_pair(
     prompt, chosen, rejected = row.get("prompt"), row["chosen"], row["rejected"]
     if prompt is None:
         prompt, chosen, rejected = split_implicit_prompt(chosen, rejected, index)
-    conversational = _is_conversation(prompt) or _is_conversation(chosen) or _is_conversation(rejected)
     sides = {"chosen": chosen, "rejected": rejected}
-    if conversational:
-        # Checked here so that an error names the field it is in ('rejected', not the SFT path's 'completion').
-        normalize_messages(prompt, index, "prompt", need_assistant=False)
-        for field, value in sides.items():
-            normalize_messages(value, index, field, need_assistant=True)
-    else:
-        _string({"prompt": prompt}, "prompt", index, allow_empty=True)
-        for field, value in sides.items():
-            _string({field: value}, field, index)
+    check_answers(prompt, sides, index)
     notes: dict[str, Any] = {"methods": [], "unclosed": 0, "truncated": 0}
     example: dict[str, Any] = {}
     dropped = ""
     for field, value in sides.items():
-        # The same path as an SFT prompt/completion row: the answer's tokens as the full conversation renders them.
-        ids, labels, method, unclosed = encode_row(
-            tokenizer, {"prompt": prompt, "completion": value, "tools": tools}, index, "prompt_completion"
-        )
-        notes["methods"].append(method)
-        notes["unclosed"] += unclosed
-        if max_length is not None and len(ids) > max_length:
-            notes["truncated"] += 1
-            if truncation == "error":
-                raise DataError(
-                    f"row {index}, field '{field}': {len(ids)} tokens exceed max_length={max_length}. Raise "
-                    "max_length, or set truncation='right' (cut the answer's end), 'left' (cut the prompt's start) "
-                    "or 'drop'."
-                )
-            if truncation == "drop":
-                dropped = "too long"
-            cut = slice(None, max_length) if truncation == "right" else slice(len(ids) - max_length, None)
-            ids, labels = ids[cut], labels[cut]
-        if count_example_targets(labels) == 0:
-            dropped = dropped or "no target"
-        example[f"{field}_input_ids"], example[f"{field}_labels"] = list(ids), labels
+        ids, labels, why = encode_answer(tokenizer, prompt, value, tools, index, field, max_length, truncation, notes)
+        dropped = dropped or why
+        example[f"{field}_input_ids"], example[f"{field}_labels"] = ids, labels
     if dropped:
         return None, dropped, notes
     if example["chosen_input_ids"] == example["rejected_input_ids"]:
@@ -111,7 +89,69 @@ def encode_pair(
     for column in REFERENCE_COLUMNS:
         if row.get(column) is not None:
             example[column] = float(row[column])
+    if row.get(MARGIN) is not None:
+        example[MARGIN] = get_margin(row[MARGIN], index)
     return example, "", notes
+
+
+def check_answers(prompt: Any, answers: Mapping[str, Any], index: Any) -> None:
+    """A prompt and its answers are all text or all conversations; an error names the field it is in (``rejected``,
+    ``completion``)."""
+    if _is_conversation(prompt) or any(_is_conversation(v) for v in answers.values()):
+        normalize_messages(prompt, index, "prompt", need_assistant=False)
+        for field, value in answers.items():
+            normalize_messages(value, index, field, need_assistant=True)
+    else:
+        _string({"prompt": prompt}, "prompt", index, allow_empty=True)
+        for field, value in answers.items():
+            _string({field: value}, field, index)
+
+
+def encode_answer(
+    tokenizer, prompt, answer, tools, index, field: str, max_length: int | None, truncation: str, notes: dict
+) -> tuple[list[int], list[int], str]:
+    """``(input_ids, labels, why it is dropped or "")`` of ``answer`` after ``prompt``, truncated to ``max_length``.
+
+    The same path as an SFT prompt/completion row: the answer's tokens as the full conversation renders them.
+    ``notes`` count the masking methods, unclosed turns and truncated sequences.
+    """
+    ids, labels, method, unclosed = encode_row(
+        tokenizer, {"prompt": prompt, "completion": answer, "tools": tools}, index, "prompt_completion"
+    )
+    notes["methods"].append(method)
+    notes["unclosed"] += unclosed
+    dropped = ""
+    if max_length is not None and len(ids) > max_length:
+        notes["truncated"] += 1
+        if truncation == "error":
+            raise DataError(
+                f"row {index}, field '{field}': {len(ids)} tokens exceed max_length={max_length}. Raise "
+                "max_length, or set truncation='right' (cut the answer's end), 'left' (cut the prompt's start) "
+                "or 'drop'."
+            )
+        if truncation == "drop":
+            dropped = "too long"
+        ids, labels = cut_to(ids, labels, max_length, truncation)
+    if count_example_targets(labels) == 0:
+        dropped = dropped or "no target"
+    return list(ids), list(labels), dropped
+
+
+def cut_to(ids: Sequence[int], labels: Sequence[int], max_length: int, truncation: str):
+    """``(ids, labels)`` cut to ``max_length``: the end (``"left"``: the start) goes."""
+    cut = slice(None, max_length) if truncation != "left" else slice(len(ids) - max_length, None)
+    return ids[cut], labels[cut]
+
+
+def get_margin(value: Any, index: Any) -> float:
+    """A row's ``margin`` (the reward model's required score gap, TRL's column) as a finite float, or a DataError."""
+    try:
+        margin = float(value)
+    except (TypeError, ValueError):
+        margin = math.nan
+    if not math.isfinite(margin):
+        raise DataError(f"row {index}, field 'margin': {value!r} is not a finite number.")
+    return margin
 
 
 def split_implicit_prompt(chosen: Any, rejected: Any, index: Any) -> tuple[list, list, list]:
@@ -141,9 +181,11 @@ def build_preference_dataset(
     truncation: str = "right",
     num_proc: int | None = None,
     buffer_size: int = 1000,
+    unpaired: bool | None = None,
 ):
     """Tokenize preference rows (``prompt``, ``chosen``, ``rejected``; see the module doc) for
-    :class:`hfacc.DPOObjective`.
+    :class:`hfacc.DPOObjective` and :class:`hfacc.RewardObjective`, or unpaired rows (``prompt``, ``completion``,
+    ``label``) for :class:`hfacc.KTOObjective`.
 
     Args:
         dataset: a ``datasets.Dataset``, or a ``datasets.IterableDataset`` (streamed: rows are tokenized as training
@@ -154,13 +196,17 @@ def build_preference_dataset(
             is kept whole), ``"drop"`` drops the pair, ``"error"`` stops. Counted in one warning.
         num_proc: processes for ``datasets.map`` (None: up to 8 from 10,000 rows on).
         buffer_size: streamed datasets: examples read ahead for token-budget micro-batches.
+        unpaired: build unpaired examples (KTO): True, also from pairs (each pair becomes a desirable and an
+            undesirable row, as TRL's ``unpair_preference_dataset``); None: when the rows are unpaired (a
+            ``completion`` and a ``label`` column). See :func:`build_unpaired_dataset`.
 
     Pairs whose answer was cut away entirely (no scored token left) and pairs whose chosen and rejected sequences are
     the same are dropped, each counted in one warning.
 
     Returns:
         A ``datasets.Dataset`` with ``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``,
-        ``rejected_labels`` (and ``ref_chosen_logps``, ``ref_rejected_logps`` when the rows have them).
+        ``rejected_labels`` (and ``ref_chosen_logps``, ``ref_rejected_logps``, ``margin`` when the rows have them);
+        unpaired: :func:`build_unpaired_dataset`'s columns.
     """
     import datasets
 
@@ -170,11 +216,20 @@ def build_preference_dataset(
         raise DataError(f"max_length={max_length}: a sequence needs at least 2 tokens to have a target.")
     if tokenizer.eos_token_id is None:
         raise DataError("The tokenizer has no eos_token; set tokenizer.eos_token so answers can end.")
+    columns = dataset.column_names or []
+    if unpaired or (unpaired is None and is_unpaired(columns)):
+        if isinstance(dataset, datasets.IterableDataset):
+            raise DataError(
+                "Unpaired (KTO) data cannot be streamed: each row's KL term pairs it with another row's completion, "
+                "once over the whole dataset. Load it as a datasets.Dataset (streaming off)."
+            )
+        return build_unpaired_dataset(
+            dataset, tokenizer, max_length=max_length, truncation=truncation, num_proc=num_proc
+        )
     if isinstance(dataset, datasets.IterableDataset):
         return build_preference_stream(
             dataset, tokenizer, max_length=max_length, truncation=truncation, buffer_size=buffer_size
         )
-    columns = dataset.column_names
     check_preference_columns(columns)
     if len(dataset) == 0:
         raise DataError("The dataset is empty.")
@@ -192,7 +247,7 @@ def build_preference_dataset(
         num_proc = min(os.cpu_count() or 1, 8)
     num_proc = num_proc if num_proc and num_proc > 1 else None
     started = time.perf_counter()
-    carried = [c for c in REFERENCE_COLUMNS if c in columns]
+    carried = [c for c in (*REFERENCE_COLUMNS, MARGIN) if c in columns]
     encoded = dataset.map(
         encode,
         with_indices=True,
@@ -212,6 +267,194 @@ def build_preference_dataset(
             f"long for max_length={max_length}, or chosen equals rejected). Raise max_length or check the rows."
         )
     return kept.remove_columns(["_dropped", "_truncated", "_methods", "_unclosed"])
+
+
+# ---- unpaired rows (KTO): a completion and whether it is desirable ------------------------------------------------
+def is_unpaired(columns: Sequence[str]) -> bool:
+    """Whether rows are unpaired preference data (TRL's KTO format: ``prompt``, ``completion``, ``label``)."""
+    return "completion" in columns and "label" in columns and not ("chosen" in columns or "rejected" in columns)
+
+
+def unpair_rows(dataset, num_proc: int | None = None):
+    """Pairs as unpaired rows, as TRL's ``unpair_preference_dataset`` makes them: per block of 1,000 pairs, their
+    chosen answers (``label`` True), then their rejected ones (False), each with its pair's prompt (an implicit one
+    taken from the shared beginning) and its other columns. Precomputed reference log-probs and margins of the pairs
+    are dropped: they are not the unpaired rows'."""
+    dropped = [c for c in (*SIDES, "prompt", *REFERENCE_COLUMNS, MARGIN) if c in dataset.column_names]
+
+    def unpair(batch: dict[str, list]) -> dict[str, list]:
+        n = len(batch["chosen"])
+        prompts, chosen, rejected = [], [], []
+        for i in range(n):
+            prompt, c, r = batch["prompt"][i] if "prompt" in batch else None, batch["chosen"][i], batch["rejected"][i]
+            if prompt is None:
+                where = batch[SOURCE_ROW][i] if SOURCE_ROW in batch else i
+                prompt, c, r = split_implicit_prompt(c, r, where)
+            prompts.append(prompt)
+            chosen.append(c)
+            rejected.append(r)
+        out = {"prompt": prompts + prompts, "completion": chosen + rejected, "label": [True] * n + [False] * n}
+        for key, values in batch.items():
+            if key not in dropped:
+                out[key] = values + values
+        return out
+
+    return dataset.map(unpair, batched=True, remove_columns=dropped, num_proc=num_proc, desc="Unpairing pairs")
+
+
+def check_unpaired_columns(columns: Sequence[str]) -> None:
+    """The columns unpaired (KTO) data needs, with a fix."""
+    missing = [c for c in UNPAIRED_COLUMNS if c not in columns]
+    if missing:
+        raise DataError(
+            f"Unpaired preference data (KTO) needs the columns {list(UNPAIRED_COLUMNS)} (TRL's names; 'label' true "
+            f"for a desirable completion, false for an undesirable one), or pairs of 'chosen' and 'rejected'; it has "
+            f"{sorted(columns)}, missing {missing}."
+        )
+
+
+def encode_unpaired(
+    tokenizer, row: Mapping[str, Any], index: Any, *, max_length: int | None = 1024, truncation: str = "right"
+) -> tuple[dict[str, Any] | None, str, dict[str, Any]]:
+    """One unpaired row as ``(example or None, why it was dropped, notes)`` (see :func:`encode_pair`): the completion
+    after its prompt (``completion_input_ids``, ``completion_labels``), its ``label``, and where its prompt ends.
+
+    A missing prompt or completion, a label that is not a boolean, a malformed conversation: a
+    :class:`hfacc.data.formats.DataError` naming the row and the field.
+    """
+    for field in ("prompt", "completion"):
+        if row.get(field) is None:
+            raise DataError(
+                f"row {index}: no field '{field}'. An unpaired preference row (KTO) has 'prompt', 'completion' and "
+                "'label' (true: a desirable completion, false: an undesirable one)."
+            )
+    label = row.get("label")
+    if not isinstance(label, (bool, np.bool_)):
+        raise DataError(
+            f"row {index}, field 'label': {label!r} ({type(label).__name__}) is not a boolean. KTO's label is true for "
+            "a desirable completion and false for an undesirable one."
+        )
+    tools = normalize_tools(row.get("tools"), index)
+    prompt, completion = row["prompt"], row["completion"]
+    check_answers(prompt, {"completion": completion}, index)
+    notes: dict[str, Any] = {"methods": [], "unclosed": 0, "truncated": 0}
+    ids, labels, dropped = encode_answer(
+        tokenizer, prompt, completion, tools, index, "completion", max_length, truncation, notes
+    )
+    if dropped:
+        return None, dropped, notes
+    start = next(i for i, y in enumerate(labels) if y != IGNORE_INDEX)  # where the prompt ends
+    example = {
+        "completion_input_ids": ids,
+        "completion_labels": labels,
+        "label": bool(label),
+        "_prompt_length": start,
+        "_prompt_key": hash(tuple(ids[:start])),  # ints hash the same in every process
+    }
+    return example, "", notes
+
+
+def build_unpaired_dataset(
+    dataset, tokenizer, *, max_length: int | None = 1024, truncation: str = "right", num_proc: int | None = None
+):
+    """Tokenize unpaired preference rows (KTO; pairs are unpaired first, :func:`unpair_rows`) and give each its KL row.
+
+    Each row becomes its completion after its prompt (``completion_input_ids``, ``completion_labels``: -100 on the
+    prompt, as an SFT row) and its ``label`` (bool). Its **KL row** (``kl_input_ids``, ``kl_labels``) is the row's own
+    prompt followed by the completion of another row: the nearest row before it (cyclically, in the dataset's order)
+    whose prompt differs, so that a pair unpaired into neighbouring rows never lends a row its own pair's answer.
+    That is TRL's rotation by one (its row i takes row i - 1's completion), done once over the whole dataset instead
+    of within each batch of ``per_device_train_batch_size``: a row's KL row is the same whatever the micro-batch
+    size, the number of ranks or the shuffling, so the step's KL estimate (:class:`hfacc.KTOObjective`'s reference
+    point) depends only on which rows the step holds. KL rows longer than ``max_length`` are cut as ``truncation``
+    says (``"left"``: their start; otherwise their end). Rows whose completion was cut away are dropped first.
+
+    Needs at least two rows (a KL row borrows another row's completion).
+
+    Returns:
+        A ``datasets.Dataset`` with ``completion_input_ids``, ``completion_labels``, ``label``, ``kl_input_ids``,
+        ``kl_labels``.
+    """
+    columns = dataset.column_names
+    if "chosen" in columns or "rejected" in columns:
+        check_preference_columns(columns)
+        dataset = unpair_rows(dataset, num_proc=num_proc)
+        columns = dataset.column_names
+    check_unpaired_columns(columns)
+    if len(dataset) == 0:
+        raise DataError("The dataset is empty.")
+    check_chat_template({"prompt": dataset[0]["prompt"], "chosen": dataset[0]["completion"]}, tokenizer)
+
+    def encode(row: Mapping[str, Any], index: int) -> dict[str, Any]:
+        index = row.get(SOURCE_ROW, index)
+        example, dropped, notes = encode_unpaired(tokenizer, row, index, max_length=max_length, truncation=truncation)
+        empty = {"completion_input_ids": [], "completion_labels": [], "label": False}
+        out = example or {**empty, "_prompt_length": 0, "_prompt_key": 0}
+        out.update(_dropped=dropped, _truncated=notes["truncated"], _methods=notes["methods"])
+        out["_unclosed"] = notes["unclosed"]
+        return out
+
+    if num_proc is None and len(dataset) >= PARALLEL_ROWS:
+        num_proc = min(os.cpu_count() or 1, 8)
+    num_proc = num_proc if num_proc and num_proc > 1 else None
+    encoded = dataset.map(
+        encode, with_indices=True, remove_columns=columns, num_proc=num_proc, desc="Tokenizing (unpaired preference)"
+    )
+    log_masking([m for methods in encoded["_methods"] for m in methods], encoded["_unclosed"])
+    report_drops(len(encoded), sum(encoded["_truncated"]), encoded["_dropped"], max_length, truncation, "rows")
+    kept = encoded.filter(lambda why: not why, input_columns="_dropped", num_proc=num_proc)
+    if len(kept) < 2:
+        raise DataError(
+            f"Unpaired preference data (KTO) needs at least 2 rows: each row's KL term takes another row's "
+            f"completion; {len(kept)} of {len(encoded)} rows are left after tokenization."
+        )
+    partners = get_kl_partners(kept["_prompt_key"])
+    donors = kept.select_columns(["completion_input_ids", "completion_labels", "_prompt_length"]).select(partners)
+    cut = "left" if truncation == "left" else "right"
+
+    def add_kl_rows(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        other = donors[indices]
+        kl_ids, kl_labels = [], []
+        for ids, start, their_ids, their_labels, their_start in zip(
+            batch["completion_input_ids"], batch["_prompt_length"], other["completion_input_ids"],
+            other["completion_labels"], other["_prompt_length"], strict=True,
+        ):  # fmt: skip
+            x, y = ids[:start] + their_ids[their_start:], [IGNORE_INDEX] * start + their_labels[their_start:]
+            if max_length is not None and len(x) > max_length:
+                x, y = cut_to(x, y, max_length, cut)
+            kl_ids.append(x)
+            kl_labels.append(y)
+        return {"kl_input_ids": kl_ids, "kl_labels": kl_labels}
+
+    kept = kept.map(add_kl_rows, with_indices=True, batched=True, desc="KL rows (another row's completion)")
+    return kept.remove_columns(["_dropped", "_truncated", "_methods", "_unclosed", "_prompt_length", "_prompt_key"])
+
+
+def get_kl_partners(prompt_keys: Sequence[int]) -> list[int]:
+    """For each row, the row whose completion its KL row takes: the nearest one before it, cyclically, whose prompt
+    (``prompt_keys``: a hash of its tokens) differs; the one just before it when every row has the same prompt.
+
+    >>> get_kl_partners([7, 7, 8, 9])  # rows 0 and 1 share a prompt: row 1 skips row 0, row 0 wraps to row 3
+    [3, 3, 1, 2]
+    """
+    n = len(prompt_keys)
+    if len(set(prompt_keys)) == 1:
+        logger.warning(
+            "hfacc: every unpaired row has the same prompt, so each KL row is the prompt with another row's "
+            "completion to that very prompt (a matched pair, not the mismatched one KTO's reference point estimates)."
+        )
+        return [(i - 1) % n for i in range(n)]
+    run_start = list(range(n))  # where the run of equal prompts a row belongs to begins (going backwards)
+    for i in range(1, n):
+        if prompt_keys[i] == prompt_keys[i - 1]:
+            run_start[i] = run_start[i - 1]
+    partners = []
+    for i in range(n):
+        j = (run_start[i] - 1) % n
+        while prompt_keys[j] == prompt_keys[i]:  # only past the wrap-around: the first rows continue the last run
+            j = (j - 1) % n
+        partners.append(j)
+    return partners
 
 
 def check_preference_columns(columns: Sequence[str]) -> None:
@@ -236,16 +479,23 @@ def check_chat_template(first_row: Mapping[str, Any], tokenizer) -> None:
         )
 
 
-def report_drops(total: int, truncated: int, reasons: Sequence[str], max_length, truncation: str) -> None:
-    """The build summary: sequences truncated, pairs dropped and why, each in one warning."""
+def report_drops(
+    total: int, truncated: int, reasons: Sequence[str], max_length, truncation: str, unit: str = "pairs"
+) -> None:
+    """The build summary: sequences truncated, pairs (or unpaired ``rows``) dropped and why, each in one warning."""
     if truncated:
         action = {
             "right": "truncated (the answer's end is cut)",
             "left": "truncated (the prompt's start is cut)",
-            "drop": "dropped with their pair",
+            "drop": "dropped with their pair" if unit == "pairs" else "dropped",
         }[truncation]
         logger.warning(
-            "hfacc: %d sequences of %d pairs exceed max_length=%s and were %s.", truncated, total, max_length, action
+            "hfacc: %d sequences of %d %s exceed max_length=%s and were %s.",
+            truncated,
+            total,
+            unit,
+            max_length,
+            action,
         )
     why = {
         "no target": "have an answer with no scored token left after truncation",
@@ -254,7 +504,7 @@ def report_drops(total: int, truncated: int, reasons: Sequence[str], max_length,
     for reason, text in why.items():
         n = sum(r == reason for r in reasons)
         if n:
-            logger.warning("hfacc: %d of %d pairs %s and were dropped.", n, total, text)
+            logger.warning("hfacc: %d of %d %s %s and were dropped.", n, total, unit, text)
 
 
 def load_preference_source(
@@ -288,7 +538,8 @@ def load_preference_source(
         data, held_out = _pick_splits(datasets.load_from_disk(str(path)), split, eval_split, name_or_path)
     else:
         data, held_out = _pick_splits(datasets.load_dataset(name_or_path, config), split, eval_split, name_or_path)
-    check_preference_columns(data.column_names)
+    if not is_unpaired(data.column_names):  # pairs; unpaired rows (KTO) are checked when they are built
+        check_preference_columns(data.column_names)
     if max_examples is not None:
         data = data.select(range(min(max_examples, len(data))))
     data = data.add_column(SOURCE_ROW, list(range(len(data))))  # errors name the row of the source
@@ -301,7 +552,9 @@ def load_preference_source(
 
 
 def check_jsonl_pairs(path: Path) -> None:
-    """Every line of a ``.jsonl`` file is a JSON object with ``chosen`` and ``rejected``; else a DataError naming it."""
+    """Every line of a ``.jsonl`` file is a JSON object with ``chosen`` and ``rejected`` (or, unpaired as its first
+    line is, ``prompt``, ``completion`` and ``label``); else a DataError naming it."""
+    required = SIDES
     with open(path) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -310,7 +563,9 @@ def check_jsonl_pairs(path: Path) -> None:
                 row = json.loads(line)
             except ValueError as err:
                 raise DataError(f"{path}: line {number} is not valid JSON ({err}).") from err
-            missing = [c for c in SIDES if not isinstance(row, Mapping) or c not in row]
+            if number == 1 and isinstance(row, Mapping) and is_unpaired(list(row)):
+                required = UNPAIRED_COLUMNS
+            missing = [c for c in required if not isinstance(row, Mapping) or c not in row]
             if missing:
                 raise DataError(f"row {number - 1} (line {number} of {path.name}): no field {missing[0]!r}.")
 
@@ -392,30 +647,20 @@ class DataCollatorForPreference:
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         if not examples:
             raise ValueError("Cannot collate an empty list of preference pairs.")
-        ids = [list(e[f"{side}_input_ids"]) for side in SIDES for e in examples]
-        labels = [list(e[f"{side}_labels"]) for side in SIDES for e in examples]
-        for i, (x, y) in enumerate(zip(ids, labels, strict=True)):
-            if len(x) != len(y):
-                side, pair = SIDES[i // len(examples)], i % len(examples)
-                raise ValueError(
-                    f"pair {pair} of the micro-batch: {len(x)} {side}_input_ids but {len(y)} {side}_labels"
-                )
-        length = max(len(x) for x in ids)
-        if self.pad_to_multiple_of:
-            length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        batch = {
-            "input_ids": _pad(ids, length, self.pad_token_id),
-            "attention_mask": _pad([[1] * len(x) for x in ids], length, 0),
-            "labels": _pad(labels, length, IGNORE_INDEX),
-        }
-        given = [all(e.get(c) is not None for c in REFERENCE_COLUMNS) for e in examples]
-        if any(given) and not all(given):
-            raise ValueError(
-                "some pairs of the micro-batch have reference log-probs and others do not; give all or none."
-            )
-        if all(given):
+        batch = pad_sequences(
+            [e[f"{side}_input_ids"] for side in SIDES for e in examples],
+            [e[f"{side}_labels"] for side in SIDES for e in examples],
+            self.pad_token_id,
+            self.pad_to_multiple_of,
+            names=[f"pair {i} of the micro-batch, {side}" for side in SIDES for i in range(len(examples))],
+        )
+        if all_or_none(examples, REFERENCE_COLUMNS, "pairs", "reference log-probs"):
             values = [e["ref_chosen_logps"] for e in examples] + [e["ref_rejected_logps"] for e in examples]
             batch[REF_LOGPS] = torch.tensor(values, dtype=torch.float32)
+        if all_or_none(
+            examples, (MARGIN,), "pairs", "a margin"
+        ):  # the reward model's required score gap, one per pair
+            batch[MARGIN] = torch.tensor([e[MARGIN] for e in examples], dtype=torch.float32)
         return batch
 
     @staticmethod
@@ -428,8 +673,108 @@ class DataCollatorForPreference:
         return 2 * max(len(example["chosen_input_ids"]), len(example["rejected_input_ids"]))
 
 
+def pad_sequences(
+    ids: Sequence[Sequence[int]],
+    labels: Sequence[Sequence[int]],
+    pad_token_id: int,
+    pad_to_multiple_of: int | None = None,
+    names: Sequence[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``attention_mask`` and ``labels`` of sequences right-padded to the longest (rounded up to a
+    multiple of ``pad_to_multiple_of``), labels -100 on padding; ``names`` say which sequence is which in errors."""
+    for i, (x, y) in enumerate(zip(ids, labels, strict=True)):
+        if len(x) != len(y):
+            raise ValueError(f"{names[i] if names else f'sequence {i}'}: {len(x)} input_ids but {len(y)} labels")
+    length = max(len(x) for x in ids)
+    if pad_to_multiple_of:
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    return {
+        "input_ids": _pad([list(x) for x in ids], length, pad_token_id),
+        "attention_mask": _pad([[1] * len(x) for x in ids], length, 0),
+        "labels": _pad([list(y) for y in labels], length, IGNORE_INDEX),
+    }
+
+
+def all_or_none(examples: Sequence[Mapping[str, Any]], columns: Sequence[str], unit: str, what: str) -> bool:
+    """Whether every example has ``columns``; a ValueError when only some have them (never a silent mix)."""
+    given = [all(e.get(c) is not None for c in columns) for e in examples]
+    if any(given) and not all(given):
+        raise ValueError(f"some {unit} of the micro-batch have {what} and others do not; give all or none.")
+    return bool(given) and all(given)
+
+
+@dataclass
+class DataCollatorForUnpairedPreference:
+    """Collate unpaired preference rows (KTO, :func:`build_unpaired_dataset`) into one ``[B, T]`` batch of
+    completions after their prompts and one ``[B, T']`` batch of their KL rows, right-padded, labels -100 on padding.
+
+    Keys: ``input_ids``, ``attention_mask``, ``labels`` (the completions, as an SFT batch: the padding-free layout and
+    the one definition of a target apply unchanged); ``label`` ``[B]`` (bool: desirable); ``kl_input_ids``,
+    ``kl_attention_mask``, ``kl_labels`` (each row's prompt with another row's completion); and precomputed
+    ``ref_logps`` / ``ref_kl_logps`` ``[B]`` when the rows have them (:func:`hfacc.precompute_reference_logps`).
+
+    Args:
+        pad_token_id: id written into ``input_ids`` at padding (never a target: its labels are -100).
+        pad_to_multiple_of: round each padded length up to a multiple of this.
+
+    >>> collate = DataCollatorForUnpairedPreference(pad_token_id=0)
+    >>> batch = collate([{"completion_input_ids": [5, 6, 7], "completion_labels": [-100, 6, 7], "label": True,
+    ...                   "kl_input_ids": [5, 9], "kl_labels": [-100, 9]}])
+    >>> batch["input_ids"], batch["kl_input_ids"], batch["label"]
+    (tensor([[5, 6, 7]]), tensor([[5, 9]]), tensor([True]))
+    """
+
+    pad_token_id: int
+    pad_to_multiple_of: int | None = None
+
+    def __post_init__(self):
+        if self.pad_token_id is None:
+            raise ValueError("pad_token_id is None: set tokenizer.pad_token (hfacc.get_tokenizer does it for you).")
+
+    def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        if not examples:
+            raise ValueError("Cannot collate an empty list of unpaired preference rows.")
+        names = [f"row {i} of the micro-batch" for i in range(len(examples))]
+        batch = pad_sequences(
+            [e["completion_input_ids"] for e in examples],
+            [e["completion_labels"] for e in examples],
+            self.pad_token_id,
+            self.pad_to_multiple_of,
+            names,
+        )
+        labels = [e["label"] for e in examples]
+        if not all(isinstance(y, (bool, np.bool_)) for y in labels):
+            raise ValueError(f"'label' must be a boolean (true: desirable) in every row; got {labels}.")
+        batch["label"] = torch.tensor(labels, dtype=torch.bool)
+        if all_or_none(examples, ("kl_input_ids", "kl_labels"), "rows", "KL rows"):
+            kl = pad_sequences(
+                [e["kl_input_ids"] for e in examples],
+                [e["kl_labels"] for e in examples],
+                self.pad_token_id,
+                self.pad_to_multiple_of,
+                [f"{name}, KL row" for name in names],
+            )
+            batch.update({f"kl_{key}": value for key, value in kl.items()})
+        if all_or_none(examples, KTO_REFERENCE_COLUMNS, "rows", "reference log-probs"):
+            for column in KTO_REFERENCE_COLUMNS:
+                batch[column] = torch.tensor([e[column] for e in examples], dtype=torch.float32)
+        return batch
+
+    @staticmethod
+    def example_length(example: Mapping[str, Any]) -> int:
+        """Tokens a row takes in a padded micro-batch, its KL row's included (token budgets).
+
+        >>> DataCollatorForUnpairedPreference.example_length({"completion_input_ids": [1, 2, 3], "kl_input_ids": [1]})
+        4
+        """
+        return len(example["completion_input_ids"]) + len(example.get("kl_input_ids") or ())
+
+
 __all__ = [
     "build_preference_dataset",
+    "build_unpaired_dataset",
+    "get_kl_partners",
+    "DataCollatorForUnpairedPreference",
     "encode_pair",
     "split_implicit_prompt",
     "DataCollatorForPreference",

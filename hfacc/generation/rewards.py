@@ -2,7 +2,9 @@
 
 A reward function is ``f(prompts, completions, **columns) -> list[float]``: one float per completion, ``columns`` the
 prompts dataset's other columns (one entry per completion). Completions of chat prompts are
-``[{"role": "assistant", "content": text}]``, of text prompts the text.
+``[{"role": "assistant", "content": text}]``, of text prompts the text. A reward model (a sequence-classification
+model with one output, e.g. trained by ``hfacc reward``) is one too, as in TRL: :class:`RewardModelFunction` scores
+prompt + completion through the reward model's own tokenizer.
 """
 
 from __future__ import annotations
@@ -10,9 +12,15 @@ from __future__ import annotations
 import difflib
 import importlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from ..data.formats import DataError
+from ..models.loading import get_tokenizer, load_reward_model
+from ..ops.scores import get_sequence_scores, reward_model_problem
 
 
 def completion_text(completion: Any) -> str:
@@ -49,13 +57,112 @@ def similarity(prompts: Sequence[Any], completions: Sequence[Any], answer: Seque
 REWARDS: dict[str, Callable] = {"correctness": correctness, "similarity": similarity}
 
 
+class RewardModelFunction:
+    """A reward model as a reward function: each completion's score, read after its prompt.
+
+    The text is the prompt and the completion together: a chat prompt's messages and the completion's, rendered by
+    the reward model's tokenizer's chat template; text prompts and completions concatenated (as TRL's
+    ``GRPOTrainer`` scores them). The score is the model's output at the sequence's last real token
+    (:func:`hfacc.ops.scores.get_sequence_scores`), without gradient, ``batch_size`` completions at a time.
+
+    Args:
+        model: a sequence-classification model with ``num_labels=1`` and a ``pad_token_id``.
+        tokenizer: its tokenizer (a chat template for chat prompts).
+        batch_size: completions per forward.
+        max_length: longest scored sequence in tokens (longer ones keep their end); None: no limit.
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, batch_size: int = 32, max_length: int | None = None):
+        problem = reward_model_problem(model)
+        if problem:
+            raise ValueError(f"reward model: {problem}.")
+        if getattr(tokenizer, "pad_token_id", None) is None:
+            raise ValueError("reward model: its tokenizer has no pad token; set tokenizer.pad_token.")
+        self.model, self.tokenizer, self.batch_size, self.max_length = model, tokenizer, batch_size, max_length
+        name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+        self.__name__ = str(name).rstrip("/").split("/")[-1]  # TRL names a reward model's reward so
+
+    def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
+        """What is scored: each prompt with its completion."""
+        out = []
+        for prompt, completion in zip(prompts, completions, strict=True):
+            if isinstance(prompt, str) and isinstance(completion, str):
+                out.append(prompt + completion)
+            else:
+                messages = list(prompt if not isinstance(prompt, str) else [{"role": "user", "content": prompt}])
+                messages += completion if not isinstance(completion, str) else [completion_message(completion)]
+                out.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
+        return out
+
+    @torch.no_grad()
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **columns) -> list[float]:
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        scores: list[float] = []
+        try:
+            texts = self.texts(prompts, completions)
+            for start in range(0, len(texts), self.batch_size):
+                ids = self.tokenizer(texts[start : start + self.batch_size], add_special_tokens=False)["input_ids"]
+                if self.max_length:
+                    ids = [x[-self.max_length :] for x in ids]
+                width = max(len(x) for x in ids)
+                batch = {
+                    "input_ids": torch.tensor([x + [self.tokenizer.pad_token_id] * (width - len(x)) for x in ids]),
+                    "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
+                }
+                batch = {k: v.to(device) for k, v in batch.items()}
+                scores += get_sequence_scores(self.model, batch)[1].tolist()
+        finally:
+            self.model.train(was_training)
+        return scores
+
+
+def completion_message(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+def get_reward_function(func: Any, tokenizer=None, device=None) -> Callable:
+    """``func`` as a reward function: itself if it is one; a reward model (a sequence-classification model, scored
+    through ``tokenizer``, by default the one saved with it); or the path of one (a local directory or a hub id), which
+    is loaded (:func:`hfacc.models.loading.load_reward_model`) onto ``device``."""
+    if isinstance(func, str):
+        if func in REWARDS or ":" in func:
+            return get_reward_funcs([func])[0]
+        model = load_reward_model(func, dtype="float32")
+        tokenizer = tokenizer if tokenizer is not None else get_tokenizer(func)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        func = model
+    if isinstance(func, nn.Module):
+        if tokenizer is None:
+            source = getattr(func.config, "_name_or_path", "")
+            if not source:
+                raise ValueError(
+                    f"reward model {type(func).__name__}: no tokenizer to score with; pass its tokenizer "
+                    "(GRPOTrainer's reward_processing_classes, as in TRL)."
+                )
+            tokenizer = get_tokenizer(source)
+        if device is not None:
+            func.to(device)
+        return RewardModelFunction(func, tokenizer)
+    if isinstance(func, RewardModelFunction) and device is not None:
+        func.model.to(device)  # e.g. loaded by name (get_reward_funcs) before the trainer knew its device
+    if not callable(func):
+        raise ValueError(f"reward function {func!r}: give a function f(prompts, completions, **columns) or a model.")
+    return func
+
+
 def get_reward_funcs(names: Sequence[str]) -> list[Callable]:
-    """The functions ``names`` stand for: a built-in name (``correctness``, ``similarity``) or ``module:function``
-    (``module.function`` too), imported from the Python path."""
+    """The functions ``names`` stand for: a built-in name (``correctness``, ``similarity``), ``module:function``
+    (``module.function`` too), imported from the Python path, or the directory of a reward model
+    (:class:`RewardModelFunction`, its own tokenizer)."""
     funcs = []
     for name in names:
         if name in REWARDS:
             funcs.append(REWARDS[name])
+            continue
+        if Path(name).is_dir():
+            funcs.append(get_reward_function(name))
             continue
         module, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
         if not (module and attr):
@@ -70,4 +177,12 @@ def get_reward_funcs(names: Sequence[str]) -> list[Callable]:
     return funcs
 
 
-__all__ = ["REWARDS", "completion_text", "correctness", "get_reward_funcs", "similarity"]
+__all__ = [
+    "REWARDS",
+    "RewardModelFunction",
+    "completion_text",
+    "correctness",
+    "get_reward_function",
+    "get_reward_funcs",
+    "similarity",
+]

@@ -350,12 +350,18 @@ def format_train_log(logs: dict[str, float], prefix: str = "") -> str:
         parts.append(f"reward {logs[prefix + 'reward']:.3f}")
     if prefix + "rewards/accuracies" in logs:  # preference pairs
         parts.append(f"reward acc {logs[prefix + 'rewards/accuracies']:.3f}")
+    if prefix + "accuracy" in logs:  # a reward model: the share of pairs it ranks right
+        parts.append(f"pair acc {logs[prefix + 'accuracy']:.3f}")
+    if prefix + "kl" in logs:  # KTO: the reference point
+        parts.append(f"kl {logs[prefix + 'kl']:.3f}")
     if "target_tokens_per_second" in logs:
         parts.append(f"{logs['target_tokens_per_second']:,.0f} target tok/s")
     if "completion_tokens_per_second" in logs:
         parts.append(f"{logs['completion_tokens_per_second']:,.0f} completion tok/s")
     if "pairs_per_second" in logs:
         parts.append(f"{logs['pairs_per_second']:,.1f} pairs/s")
+    if "examples_per_second" in logs:
+        parts.append(f"{logs['examples_per_second']:,.1f} examples/s")
     if logs.get(prefix + "skipped_steps"):
         parts.append(f"skipped steps {logs[prefix + 'skipped_steps']}")
     if "accumulation_audit_error" in logs:
@@ -371,11 +377,20 @@ def format_eval_metrics(metrics: dict[str, float], prefix: str = "eval_") -> str
     if prefix + "rewards/accuracies" in metrics:  # preference pairs
         parts.append(f"reward acc {metrics[prefix + 'rewards/accuracies']:.3f}")
         parts.append(f"margin {metrics[prefix + 'rewards/margins']:.3f}")
+    if prefix + "accuracy" in metrics:  # a reward model
+        parts.append(f"pair acc {metrics[prefix + 'accuracy']:.3f}")
+        parts.append(f"margin {metrics[prefix + 'margin']:.3f}")
+    if prefix + "kl" in metrics:  # KTO
+        parts.append(f"kl {metrics[prefix + 'kl']:.3f}")
+        if prefix + "rewards/margins" in metrics and prefix + "rewards/accuracies" not in metrics:
+            parts.append(f"margin {metrics[prefix + 'rewards/margins']:.3f}")
     detail = []
     if prefix + "num_targets" in metrics:
         detail.append(f"{metrics[prefix + 'num_targets']:,} targets")
     if prefix + "num_pairs" in metrics:
         detail.append(f"{metrics[prefix + 'num_pairs']:,} pairs")
+    if prefix + "num_examples" in metrics:
+        detail.append(f"{metrics[prefix + 'num_examples']:,} examples")
     if prefix + "runtime" in metrics:
         detail.append(f"{metrics[prefix + 'runtime']:.1f} s")
     return "  ".join(parts) + (f"  ({', '.join(detail)})" if detail else "")

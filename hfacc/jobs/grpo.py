@@ -1,6 +1,6 @@
 """Online RL (GRPO, DAPO, Dr. GRPO) with exact accumulation: the job of ``hfacc grpo`` and ``recipes/grpo.py``.
 
-    hfacc grpo                                   # embedded default: offline, CPU, about 5 minutes on 2 cores
+    hfacc grpo                                   # embedded default: offline, runs on a CPU
     accelerate launch recipes/grpo.py            # the same job, as a recipe script
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/grpo.py   # two processes
 
@@ -68,7 +68,28 @@ class GRPOJobArguments:
         default=200, metadata={"help": "Held-out prompts scored before and after, sampled and greedily (0: skip)."}
     )
     tasks: list[str] | None = field(
-        default=None, metadata={"help": "Embedded tasks to train and evaluate on (None: all six)."}
+        default=None,
+        metadata={
+            "help": "Embedded tasks to train and evaluate on (None: all six). 'auto': those where the starting "
+            "policy's samples still disagree (groups with reward variance), measured on probe prompts and said."
+        },
+    )
+    num_probe_prompts: int = field(
+        default=16, metadata={"help": "tasks 'auto': prompts per task sampled num_generations times to measure that."}
+    )
+    min_varied_groups: float = field(
+        default=0.25,
+        metadata={
+            "help": "tasks 'auto': pick the tasks where at least this share of probe groups has reward variance "
+            "(none does: the one with the most)."
+        },
+    )
+    max_auto_tasks: int = field(
+        default=1,
+        metadata={
+            "help": "tasks 'auto': at most this many, those whose groups vary most (on the 1.3M-parameter embedded "
+            "model, one task at a time learns; a mix of tasks drifts)."
+        },
     )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["correctness"],
@@ -80,12 +101,16 @@ class GRPOJobArguments:
             raise ValueError(f"sft_max_steps={self.sft_max_steps}: it must be >= 1.")
         if self.num_train_prompts < 1 or self.num_eval_prompts < 0:
             raise ValueError("num_train_prompts must be >= 1 and num_eval_prompts >= 0.")
-        if self.tasks is not None:
+        if self.tasks is not None and self.tasks != [AUTO_TASKS]:
             from ..data.embedded import TASKS
 
             unknown = sorted(set(self.tasks) - set(TASKS))
             if unknown:
-                raise ValueError(f"tasks: unknown {unknown}; the embedded tasks are {sorted(TASKS)}.")
+                raise ValueError(
+                    f"tasks: unknown {unknown}; the embedded tasks are {sorted(TASKS)}, or '{AUTO_TASKS}' alone."
+                )
+        if self.num_probe_prompts < 1 or self.max_auto_tasks < 1 or not 0 <= self.min_varied_groups <= 1:
+            raise ValueError("num_probe_prompts and max_auto_tasks must be >= 1, min_varied_groups in [0, 1].")
 
 
 def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments) -> dict[str, Any]:
@@ -95,6 +120,7 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
     funcs = get_reward_funcs(job.reward_funcs)  # a bad name or weight is an error now, not after a short SFT
     check_reward_weights(args.reward_weights, funcs)
     model, tokenizer, source = load_policy(job, model_args, args)
+    job = pick_tasks(job, model, tokenizer, funcs, args)  # tasks 'auto': where the policy's samples disagree
     train_prompts, eval_prompts = build_prompts(job, args.seed)
     main_process = args.process_index == 0
     trainer = GRPOTrainer(model, funcs, args, train_dataset=train_prompts, processing_class=tokenizer)
@@ -132,6 +158,7 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
         "steps": trainer.state.global_step,
         "world_size": args.world_size,
         "policy": source,
+        "tasks": job.tasks,
         "train_reward_first": rewards[0] if rewards else None,
         "train_reward_last": rewards[-1] if rewards else None,
         # The whole run's, not the logged intervals' sum (steps after the last logging step count too): generation
@@ -208,21 +235,63 @@ def build_prompts(job: GRPOJobArguments, seed: int):
         parts = data.train_test_split(test_size=held, seed=seed) if held else {"train": data, "test": data.select([])}
         train = parts["train"].select(range(min(job.num_train_prompts, len(parts["train"]))))
         return train, parts["test"]
+    train = datasets.Dataset.from_list(embedded_prompt_rows(job.num_train_prompts, 1000 + seed, job.tasks))
+    held_out = embedded_prompt_rows(job.num_eval_prompts, 2000 + seed, job.tasks)
+    return train, datasets.Dataset.from_list(held_out) if held_out else train.select([])
+
+
+def embedded_prompt_rows(n: int, data_seed: int, tasks: Sequence[str] | None) -> list[dict]:
+    """``n`` prompt rows (prompt, answer, task) of the embedded ``tasks`` (None: all), the same for the same seed."""
     from ..data.embedded import generate_instruction_examples
 
-    def rows(n, data_seed):
-        out, chunk = [], 0
-        while len(out) < n and chunk < 100:  # the tasks asked for, drawn until there are n of them
-            for example in generate_instruction_examples(4 * n, seed=data_seed + 7919 * chunk):
-                if job.tasks is None or example["task"] in job.tasks:
-                    messages = example["messages"]
-                    out.append({"prompt": messages[:-1], "answer": messages[-1]["content"], "task": example["task"]})
-            chunk += 1
-        return out[:n]
+    out, chunk = [], 0
+    while len(out) < n and chunk < 100:  # the tasks asked for, drawn until there are n of them
+        for example in generate_instruction_examples(4 * n, seed=data_seed + 7919 * chunk):
+            if tasks is None or example["task"] in tasks:
+                messages = example["messages"]
+                out.append({"prompt": messages[:-1], "answer": messages[-1]["content"], "task": example["task"]})
+        chunk += 1
+    return out[:n]
 
-    train = datasets.Dataset.from_list(rows(job.num_train_prompts, 1000 + seed))
-    held_out = rows(job.num_eval_prompts, 2000 + seed)
-    return train, datasets.Dataset.from_list(held_out) if held_out else train.select([])
+
+AUTO_TASKS = "auto"
+
+
+def pick_tasks(job: GRPOJobArguments, model, tokenizer, funcs, args: GRPOArguments) -> GRPOJobArguments:
+    """``job`` with ``tasks`` decided, for ``tasks: [auto]`` (else ``job`` itself): the embedded tasks on which the
+    starting policy's samples still disagree.
+
+    GRPO learns from a group's reward variance: a group whose ``num_generations`` samples all score the same has
+    zero advantage and no gradient. A policy that already solves a task (the full SFT output on ``reverse``), or
+    never does, gives such groups only. So ``num_probe_prompts`` prompts per task (seeded apart from the training and
+    held-out prompts) are sampled as training samples them and scored with the job's rewards; the tasks where at
+    least ``min_varied_groups`` of the groups vary are kept, the ``max_auto_tasks`` that vary most (none: the one
+    with the most), and the choice is said.
+    """
+    if job.tasks != [AUTO_TASKS] or job.dataset_name is not None:
+        return job
+    from ..data.embedded import TASKS
+
+    names = sorted(TASKS)
+    rows = [row for task in names for row in embedded_prompt_rows(job.num_probe_prompts, 3000 + args.seed, [task])]
+    settings = SamplingSettings(args.max_completion_length, args.temperature, args.top_p, args.top_k)
+    with torch.random.fork_rng(devices=[]):  # every rank draws the same samples, and training's RNG is untouched
+        torch.manual_seed(args.seed + 2)
+        rollout = build_rollout(model, tokenizer, rows, funcs, num_generations=args.num_generations,
+                                settings=settings, reward_weights=args.reward_weights,
+                                max_prompt_length=args.max_prompt_length)  # fmt: skip
+    varied = rollout.total.view(len(rows), args.num_generations).std(dim=1) > 0
+    share = {t: varied[i * job.num_probe_prompts : (i + 1) * job.num_probe_prompts].float().mean().item()
+             for i, t in enumerate(names)}  # fmt: skip
+    ranked = sorted(names, key=lambda t: -share[t])  # most varied first; ties in name order
+    picked = sorted([t for t in ranked if share[t] >= job.min_varied_groups][: job.max_auto_tasks] or ranked[:1])
+    said = ", ".join(f"{t} {share[t]:.2f}" for t in ranked)
+    if args.process_index == 0:
+        write(
+            f"tasks  {', '.join(picked)}: where the policy's samples disagree (share of {job.num_probe_prompts} probe "
+            f"groups with reward variance: {said})"
+        )
+    return dataclasses.replace(job, tasks=picked)
 
 
 def _load_prompts(name: str, split: str):

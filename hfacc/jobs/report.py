@@ -13,7 +13,7 @@ def save_loss_curve(
     ylabel: str = "cross-entropy per target token",
 ) -> Path:
     """Plot training loss per logging step and evaluation loss where it was measured (and, for preference pairs,
-    the evaluation's reward accuracy on a second axis)."""
+    the evaluation's reward accuracy, or a reward model's pair accuracy, on a second axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -30,14 +30,17 @@ def save_loss_curve(
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    accuracy = [(h["step"], h["eval_rewards/accuracies"]) for h in log_history if "eval_rewards/accuracies" in h]
-    if accuracy:
+    key = next((k for k in ("eval_rewards/accuracies", "eval_accuracy") if any(k in h for h in log_history)), None)
+    accuracy = [(h["step"], h[key]) for h in log_history if key in h and "step" in h] if key else []
+    if accuracy:  # DPO's reward accuracy, a reward model's pair accuracy
+        what = "reward accuracy" if key == "eval_rewards/accuracies" else "pair accuracy"
         twin = ax.twinx()
-        twin.plot(*zip(*accuracy, strict=True), "s:", color="tab:green", label="eval reward accuracy")
-        twin.set_ylabel("reward accuracy (held-out pairs)")
+        twin.plot(*zip(*accuracy, strict=True), "s:", color="tab:green", label=f"eval {what}")
+        twin.set_ylabel(f"{what} (held-out pairs)")
         twin.set_ylim(0, 1.02)
         twin.legend(loc="center right")
-    ax.legend()
+    if ax.lines:  # a run shorter than its logging interval logged no loss: an empty plot, no legend warning
+        ax.legend()
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path)

@@ -1,6 +1,6 @@
 """Supervised fine-tuning with loss masking and exact gradient accumulation: the job of ``hfacc sft``.
 
-    hfacc sft                                                # embedded default: offline, CPU, under 3 minutes
+    hfacc sft                                                # embedded default: offline, runs on a CPU
     hfacc sft --config recipes/configs/qwen2.5-0.5b-instruct_lora.yaml
     accelerate launch recipes/sft.py                         # the same job, as a recipe script
     accelerate launch --config_file accelerate_configs/ddp.yaml -m hfacc.cli sft   # two processes

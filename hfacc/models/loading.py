@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 # The tiny Llama is built with the embedded default, which needs it; it is re-exported here with the other models.
 from ..data.embedded import build_default_model, build_default_tokenizer
@@ -39,17 +39,94 @@ def load_causal_lm(
     silently initialized at random; so are a local directory without a readable ``config.json`` or with damaged
     weights.
     """
+    return _load_checked(
+        name_or_path,
+        None,
+        trust_remote_code=trust_remote_code,
+        dtype=dtype,
+        revision=revision,
+        attn_implementation=attn_implementation,
+    )
+
+
+def load_reward_model(
+    name_or_path: str,
+    *,
+    trust_remote_code: bool = False,
+    dtype: str | torch.dtype = "auto",
+    revision: str | None = None,
+    attn_implementation: str | None = None,
+    pad_token_id: int | None = None,
+):
+    """Load a reward model (``AutoModelForSequenceClassification`` with ``num_labels=1``) from a hub id or a local
+    directory, as safely as :func:`load_causal_lm`.
+
+    A causal LM's checkpoint (an SFT model) loads with a new, randomly initialized score head: said at INFO, as TRL's
+    ``RewardTrainer`` starts one. A classifier whose head has another number of outputs is a :class:`ConfigError`
+    (a reward model gives one score per sequence). ``pad_token_id`` goes into the config (the model's own pooling
+    needs it for batches of several sequences).
+    """
+    model = _load_checked(
+        name_or_path,
+        AutoModelForSequenceClassification,
+        trust_remote_code=trust_remote_code,
+        dtype=dtype,
+        revision=revision,
+        attn_implementation=attn_implementation,
+        num_labels=1,
+        new_head=("score.",),
+    )
+    if pad_token_id is not None:
+        model.config.pad_token_id = pad_token_id
+    return model
+
+
+def as_reward_model(model, pad_token_id: int | None = None, seed: int = 0):
+    """A reward model (``AutoModelForSequenceClassification``, ``num_labels=1``) with ``model``'s backbone: a causal
+    LM's weights and a new score head (seeded), in ``model``'s dtype; ``pad_token_id`` goes into its config."""
+    import copy
+
+    config = copy.deepcopy(model.config)
+    config.num_labels = 1
+    if pad_token_id is not None:
+        config.pad_token_id = pad_token_id
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        reward = AutoModelForSequenceClassification.from_config(config)
+    missing, _ = reward.load_state_dict(model.state_dict(), strict=False)  # the causal LM's head is not wanted
+    if any(not k.startswith("score.") for k in missing):
+        raise ValueError(f"{type(model).__name__}'s backbone does not fit {type(reward).__name__}: {missing[:3]}")
+    return reward.to(next(model.parameters()).dtype)
+
+
+def _load_checked(
+    name_or_path: str,
+    model_class,
+    *,
+    trust_remote_code: bool,
+    dtype,
+    revision,
+    attn_implementation,
+    num_labels: int | None = None,
+    new_head: tuple[str, ...] = (),
+):
+    """``model_class.from_pretrained`` (None: a causal LM, or a vision-language model's image-text-to-text class),
+    safetensors only; weights that do not fit, or are missing (but a new head's, ``new_head`` prefixes), are a
+    ConfigError."""
     local = Path(name_or_path).is_dir()
     if local:
         check_model_dir(Path(name_or_path))
     try:
         config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, revision=revision)
+        if num_labels is not None:
+            config.num_labels = num_labels
         kwargs = {"config": config, "trust_remote_code": trust_remote_code, "revision": revision}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
-        model_class = AutoModelForCausalLM
-        if is_vision_language_config(config):  # Qwen2.5-VL, Gemma 3, Idefics3, LLaVA, ...: image-text-to-text
-            from transformers import AutoModelForImageTextToText as model_class
+        if model_class is None:
+            model_class = AutoModelForCausalLM
+            if is_vision_language_config(config):  # Qwen2.5-VL, Gemma 3, Idefics3, LLaVA, ...: image-text-to-text
+                from transformers import AutoModelForImageTextToText as model_class
         model, info = model_class.from_pretrained(
             name_or_path, dtype=dtype, use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True,
             **kwargs,
@@ -62,6 +139,12 @@ def load_causal_lm(
             f"--model_name_or_path {name_or_path}: {what} ({_first_line(err)}). Copy or save the model again."
         ) from err
     mismatched = sorted(info.get("mismatched_keys") or [])
+    if mismatched and new_head and mismatched[0][0].startswith(new_head):
+        name, saved, expected = mismatched[0]
+        raise ConfigError(
+            f"--model_name_or_path {name_or_path}: its head '{name}' has {saved[0]} outputs; a reward model gives one "
+            "score per sequence (num_labels=1). Start from a causal LM or a reward model instead."
+        )
     if mismatched:
         name, saved, expected = mismatched[0]
         raise ConfigError(
@@ -69,13 +152,15 @@ def load_causal_lm(
             f"{list(saved)} in the weights and {list(expected)} by the config ({len(mismatched)} such weights). The "
             "config and the weights are of different models."
         )
-    if info.get("missing_keys"):
-        missing = sorted(info["missing_keys"])
+    missing = sorted(k for k in info.get("missing_keys") or () if not k.startswith(new_head))
+    if missing:
         raise ConfigError(
             f"--model_name_or_path {name_or_path}: {len(missing)} weight(s) of the model its config.json describes "
             f"are not in its weights ('{missing[0]}', ...): they would train from random values. The config and the "
             "weights are of different models."
         )
+    if new_head and info.get("missing_keys"):
+        logger.info("hfacc: %s: a new score head (%s), initialized at random.", name_or_path, type(model).__name__)
     return model
 
 
@@ -141,12 +226,15 @@ def get_tokenizer(name_or_path: str, *, trust_remote_code: bool = False, revisio
     return tokenizer
 
 
-def apply_lora(model, r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules="all-linear"):
-    """Wrap ``model`` with a LoRA adapter (peft); only the adapter's weights train."""
+def apply_lora(
+    model, r: int = 16, alpha: int = 32, dropout: float = 0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+):
+    """Wrap ``model`` with a LoRA adapter (peft); only the adapter's weights train (``task_type="SEQ_CLS"``: a
+    reward model, whose new score head trains whole too)."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type="CAUSAL_LM"
+        r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=target_modules, task_type=task_type
     )
     model = get_peft_model(model, config)
     trainable, total = (
@@ -272,8 +360,13 @@ def load_model_and_tokenizer(args: ModelArguments, seed: int = 0):
             revision=args.model_revision,
             attn_implementation=args.attn_implementation,
         )
-    if args.use_lora:
-        targets = args.lora_target_modules
-        target = targets[0] if targets == ["all-linear"] else targets
-        model = apply_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, target)
-    return model, tokenizer
+    return apply_lora_settings(model, args), tokenizer
+
+
+def apply_lora_settings(model, args: ModelArguments, task_type: str = "CAUSAL_LM"):
+    """``model`` with the LoRA adapter ``args`` ask for (``--use_lora``), or ``model`` itself."""
+    if not args.use_lora:
+        return model
+    targets = args.lora_target_modules
+    target = targets[0] if targets == ["all-linear"] else targets
+    return apply_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, target, task_type)

@@ -31,10 +31,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..data.preference import REFERENCE_COLUMNS, DataCollatorForPreference
+from ..data.preference import (
+    KTO_REFERENCE_COLUMNS,
+    REFERENCE_COLUMNS,
+    DataCollatorForPreference,
+    DataCollatorForUnpairedPreference,
+)
 from ..ops.logprobs import TokenLogProbs, check_fused_logprobs, get_token_logprobs
 from ..ops.loss import shift_labels
-from ..ops.model_io import get_base_model, model_inputs
+from ..ops.model_io import get_base_model
 
 logger = logging.getLogger(__name__)
 
@@ -176,11 +181,7 @@ def build_sharded_reference(policy: nn.Module, accelerator, engine: str, given: 
         )
     base = get_base_model(unwrap_model(policy))
     if engine == "FSDP2":
-        from torch.distributed.fsdp import FSDPModule
-
-        for unit in base.modules():  # FSDP2's root keeps its parameters whole after a forward: shard them again
-            if isinstance(unit, FSDPModule):
-                unit.reshard()
+        reshard(base)
     if given is None:
         module = _empty_like(base, engine)
     else:
@@ -221,12 +222,31 @@ def _empty_like(base: nn.Module, engine: str) -> nn.Module:
     return module
 
 
+def reshard(module: nn.Module) -> None:
+    """Shard again every FSDP2 unit of ``module``: FSDP2's root keeps its parameters whole after a forward (for the
+    backward that follows), which a frozen model never runs."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def _shard_like(module: nn.Module, base: nn.Module) -> None:
-    """``fully_shard`` every submodule of ``module`` that is an FSDP2 unit in ``base``, deepest first, same mesh."""
+    """``fully_shard`` every submodule of ``module`` that is an FSDP2 unit in ``base``, deepest first, same mesh.
+
+    A module of another architecture (a distillation teacher: more layers, other names) is sharded on the modules
+    of the classes that are units in ``base`` (its decoder layers), and its root."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
+    from ..ops.fused_loss import _module_class
+
     units = [name for name, m in base.named_modules() if isinstance(m, FSDPModule)]
+    names = [name for name, _ in module.named_modules()]
+    if names != [name for name, _ in base.named_modules()]:
+        classes = {_module_class(m) for name, m in base.named_modules() if name and isinstance(m, FSDPModule)}
+        units = [name for name, m in module.named_modules() if name and type(m) in classes] + [""]
     mesh = next(p.device_mesh for p in base.parameters() if isinstance(p, DTensor))
     state = base._get_fsdp_state() if hasattr(base, "_get_fsdp_state") else None
     policy = getattr(state, "_mp_policy", None) or MixedPrecisionPolicy()  # the policy's forward precision
@@ -339,13 +359,15 @@ def precompute_reference_logps(
     chunk_size: int = 0,
     show_progress: bool = True,
 ):
-    """``dataset`` (a built preference dataset) with ``ref_chosen_logps`` and ``ref_rejected_logps`` columns: each
-    side's log-prob under ``reference``, summed over its scored tokens, computed once, with a progress bar.
+    """``dataset`` (a built preference dataset) with each sequence's log-prob under ``reference``, summed over its
+    scored tokens, computed once, with a progress bar: ``ref_chosen_logps`` and ``ref_rejected_logps`` for pairs;
+    ``ref_logps`` (the completion) and ``ref_kl_logps`` (its KL row) for unpaired rows (KTO).
 
     ``reference`` is the reference network as it is now (e.g. the policy before training: the default reference),
     or a :class:`hfacc.models.reference.ReferenceModel`; a PEFT model is run with its adapter disabled (its base).
-    Training with these columns needs no reference model in memory (:class:`hfacc.DPOObjective` reads them from the
-    batch). Every process computes every row (a sharded reference's forwards are collectives).
+    Training with these columns needs no reference model in memory (:class:`hfacc.DPOObjective` and
+    :class:`hfacc.KTOObjective` read them from the batch). Every process computes every row (a sharded reference's
+    forwards are collectives).
     """
     from tqdm.auto import tqdm
 
@@ -353,26 +375,44 @@ def precompute_reference_logps(
         reference = ReferenceModel(reference, disable_adapter=is_peft_model(reference))
     module = reference.module
     device = torch.device(device) if device is not None else next(module.parameters()).device
-    collate = DataCollatorForPreference(pad_token_id)
-    columns = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
+    unpaired = "completion_input_ids" in dataset.column_names
+    if unpaired:  # one batch of completions and one of their KL rows per step
+        collate, outputs = DataCollatorForUnpairedPreference(pad_token_id), KTO_REFERENCE_COLUMNS
+        columns = ["completion_input_ids", "completion_labels", "label", "kl_input_ids", "kl_labels"]
+    else:  # one [2B, T] batch of chosen and rejected sequences
+        collate, outputs = DataCollatorForPreference(pad_token_id), REFERENCE_COLUMNS
+        columns = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
     rows = dataset.select_columns(columns)
-    chosen, rejected = [], []
-    bar = tqdm(total=len(rows), desc="Reference log-probs", unit="pair", disable=not show_progress)
+    found: tuple[list[float], list[float]] = ([], [])
+    bar = tqdm(
+        total=len(rows), desc="Reference log-probs", unit="row" if unpaired else "pair", disable=not show_progress
+    )
     for start in range(0, len(rows), batch_size):
         part = [rows[i] for i in range(start, min(start + batch_size, len(rows)))]
         batch = {k: v.to(device) for k, v in collate(part).items()}
-        targets = shift_labels(batch["labels"], attention_mask=batch["attention_mask"])
-        result = reference.logprobs(model_inputs(batch), targets, chunk_size=chunk_size)
-        owner = torch.arange(targets.shape[0], device=device)[:, None].expand(targets.shape)[result.mask]
-        logps = result.logps.new_zeros(targets.shape[0]).index_add(0, owner, result.logps).tolist()
-        chosen += logps[: len(part)]
-        rejected += logps[len(part) :]
+        if unpaired:
+            found[0].extend(_sequence_logps(reference, batch, chunk_size))
+            kl = {"input_ids": batch["kl_input_ids"], "attention_mask": batch["kl_attention_mask"]}
+            found[1].extend(_sequence_logps(reference, {**kl, "labels": batch["kl_labels"]}, chunk_size))
+        else:
+            logps = _sequence_logps(reference, batch, chunk_size)
+            found[0].extend(logps[: len(part)])
+            found[1].extend(logps[len(part) :])
         bar.update(len(part))
     bar.close()
-    if not all(math.isfinite(x) for x in chosen + rejected):
+    if not all(math.isfinite(x) for x in found[0] + found[1]):
         raise ValueError("the reference gave a non-finite log-prob: check the reference model and the data.")
-    dataset = dataset.remove_columns([c for c in REFERENCE_COLUMNS if c in dataset.column_names])
-    return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
+    dataset = dataset.remove_columns([c for c in outputs if c in dataset.column_names])
+    return dataset.add_column(outputs[0], found[0]).add_column(outputs[1], found[1])
+
+
+def _sequence_logps(reference: ReferenceModel, batch, chunk_size: int) -> list[float]:
+    """Each row's log-prob of its targets (summed) under ``reference``: a padded batch of one sequence per row."""
+    targets = shift_labels(batch["labels"], attention_mask=batch["attention_mask"])
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    result = reference.logprobs(inputs, targets, chunk_size=chunk_size)
+    owner = torch.arange(targets.shape[0], device=targets.device)[:, None].expand(targets.shape)[result.mask]
+    return result.logps.new_zeros(targets.shape[0]).index_add(0, owner, result.logps).tolist()
 
 
 __all__ = [
@@ -382,6 +422,7 @@ __all__ = [
     "copy_initial_policy",
     "iter_full_parameters",
     "sharded_engine",
+    "reshard",
     "unwrap_model",
     "is_peft_model",
     "precompute_reference_logps",

@@ -9,15 +9,21 @@ An :class:`Objective` is the one place a loss family plugs into hfacc. Its life,
 2. ``count(batch)`` — the micro-batch's units, ``tensor([primary, sequences, *more])`` (int64), before any forward:
    the window's totals over all micro-batches and ranks are the denominators of every micro-batch's loss, and must
    be known before the first ``backward()``. ``units`` names the entries.
-3. ``objective(model, batch)`` — run the model; return its outputs and the loss *sums* over the units (a
+3. ``window_statistics(model, batches, accelerator)`` — right after the counts, for a loss that depends
+   non-linearly on a statistic of the whole step (KTO's reference point): computed without gradient over the
+   window's micro-batches and reduced over all ranks, before the first backward. Every micro-batch of the window
+   then carries it in its batch (:func:`with_statistics`). Default: none, at no cost.
+4. ``objective(model, batch)`` — run the model; return its outputs and the loss *sums* over the units (a
    :class:`~hfacc.ops.loss.LossSums` for one-unit losses; a family may return a richer tuple of its own).
-4. ``loss(sums, counts)`` — the micro-batch's share of the window loss: each sum divided by its own unit's window
+5. ``loss(sums, counts)`` — the micro-batch's share of the window loss: each sum divided by its own unit's window
    total, times the P data-parallel ranks (:func:`hfacc.ops.loss.normalize_window_loss` for one-unit losses). Summed
    over the window and averaged over the ranks, that is the big batch's loss, whatever the split.
-5. ``metric_sums(sums)`` / ``metric_logs(totals)`` — what is logged: sums added up over micro-batches, windows and
-   ranks (on device until logged), turned into means only when logged, each over its own unit.
+6. ``metric_sums(sums)`` / ``metric_logs(totals)`` — what is logged: sums added up over micro-batches, windows and
+   ranks (on device until logged; :meth:`reduce_metrics` says how a column combines, a sum unless it is an
+   extreme), turned into means only when logged, each over its own unit.
 
-The trainer only routes: it counts (2) before the first forward, calls (3) and (4) per micro-batch, and adds (5) up.
+The trainer only routes: it counts (2) and takes the statistics (3) before the first forward, calls (4) and (5) per
+micro-batch, and adds (6) up. What the once-per-model layout check runs is :meth:`layout_view`.
 hfacc never hands ``labels`` to the model (it would compute, and pay for, a second loss that is then thrown away),
 except for :class:`~hfacc.objectives.heads.ModelLossObjective`, the explicit fallback for losses hfacc cannot
 reproduce.
@@ -27,14 +33,15 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..ops.loss import LossSums, WindowCounts, normalize_window_loss
+from ..ops.loss import LossSums, WindowCounts, normalize_window_loss, shift_labels
+from ..ops.model_io import forward_inputs
 from ..runtime.distributed import num_rows
 
 
@@ -162,6 +169,50 @@ class Objective(ABC):
             logs[f"{prefix}token_accuracy"] = correct / count
         return logs
 
+    def check_data(self, dataset: Any, name: str = "the training data") -> None:
+        """Check what the objective reads of every row of ``dataset`` (None: no dataset), before any row is collated;
+        raise a :class:`hfacc.data.formats.DataError` naming the row and the fix (default: nothing to check)."""
+        return None
+
+    def companion_models(self) -> list[nn.Module]:
+        """Frozen models :meth:`setup` built that run on every micro-batch in the trained model's own layout (a
+        distillation teacher): the layout checks run them too (default: none)."""
+        return []
+
+    def window_statistics(
+        self,
+        model: nn.Module,
+        batches: Sequence[Mapping[str, Any]],
+        accelerator=None,
+        *,
+        layout: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+        repeated: Collection[int] = frozenset(),
+    ) -> dict[str, Any]:
+        """Statistics of the whole window that every micro-batch's loss reads (default: none, and no work).
+
+        Called once per window, after the counts and before the first forward with gradient, on every rank alike:
+        ``batches`` are this rank's micro-batches of the window, as collated (those at the positions ``repeated``
+        only repeat examples: they run, as a sharded model's forwards are collectives, and count nothing);
+        ``layout`` lays a batch out as training does (padding-free), where the statistic runs the model; the result
+        must be reduced over the ranks of ``accelerator`` here (None: one process). A loss that is non-linear in a
+        statistic of the step (KTO's reference point) is exact only when the statistic is the step's, not each
+        micro-batch's. The values ride in each micro-batch's batch under their keys (:func:`with_statistics`); a
+        batch without them (an evaluation batch, a micro-batch run on its own) is its own window.
+        """
+        return {}
+
+    def reduce_metrics(self, values: torch.Tensor) -> torch.Tensor:
+        """``[N, M] -> [M]``: how N rows of :meth:`metric_sums` combine (over examples, micro-batches, windows and
+        ranks). Summed, by default; an objective that logs extremes (a reward model's ``min_reward``) takes the
+        minimum or maximum of those columns, and gives +inf / -inf where a row holds nothing."""
+        return values.sum(0)
+
+    def layout_view(self, model: nn.Module) -> nn.Module:
+        """What the once-per-model layout check (:mod:`hfacc.setup.layout_check`) runs to see what this objective
+        reads at every position: the model itself (its logits), or for a reward model its score at every position
+        (:class:`hfacc.ops.scores.PerPositionScores`)."""
+        return model
+
     def copies_policy(self) -> bool:
         """Whether :meth:`setup` copies the policy as training starts (a frozen reference): a resumed run must then
         take the copy before the checkpoint's weights are loaded (:class:`SetupContext`'s ``initial_policy``)."""
@@ -190,4 +241,19 @@ class Objective(ABC):
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-__all__ = ["Objective", "SetupContext", "LossSums"]
+def get_targets(batch: Mapping[str, Any]) -> torch.Tensor:
+    """The batch's causal-LM targets, aligned with the positions that predict them (its ``shift_labels``, or its
+    ``labels`` shifted by :func:`hfacc.ops.loss.shift_labels`, which sees packed sequences and padding)."""
+    if batch.get("shift_labels") is not None:
+        return batch["shift_labels"]
+    return shift_labels(
+        batch["labels"], position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask")
+    )
+
+
+def with_statistics(batch: Mapping[str, Any], statistics: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """``batch`` carrying its window's :meth:`Objective.window_statistics` (``batch`` itself when there are none)."""
+    return {**batch, **statistics} if statistics else batch
+
+
+__all__ = ["Objective", "SetupContext", "LossSums", "forward_inputs", "get_targets", "with_statistics"]

@@ -13,6 +13,7 @@ from ..ops.loss import IGNORE_INDEX
 from ..ops.model_io import get_base_model, get_num_virtual_tokens
 from .base import Objective
 from .causal_lm import CausalLMObjective
+from .distillation import DistillationObjective
 from .heads import (
     ModelLossObjective,
     MultiLabelObjective,
@@ -20,8 +21,10 @@ from .heads import (
     SequenceClassificationObjective,
     TokenObjective,
 )
+from .kto import KTOObjective
 from .policy_gradient import PolicyGradientObjective
 from .preference import DPOObjective
+from .reward import RewardObjective
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,9 @@ OBJECTIVES = {
         ModelLossObjective,
         DPOObjective,
         PolicyGradientObjective,
+        DistillationObjective,
+        RewardObjective,
+        KTOObjective,
     )
 }
 
@@ -59,7 +65,7 @@ def get_objective(
     :func:`get_num_virtual_tokens`).
     """
     objective = _pick_objective(model, batch, name, label_smoothing)
-    if isinstance(objective, CausalLMObjective):
+    if isinstance(objective, CausalLMObjective):  # and distillation, which counts its targets the same way
         objective.num_virtual_tokens = get_num_virtual_tokens(model)
     return objective
 
@@ -73,8 +79,8 @@ def _pick_objective(model: nn.Module, batch: Mapping[str, Any], name: str, label
             raise ValueError(f"objective must be 'auto' or one of {sorted(OBJECTIVES)}, got {name!r}")
         if name == "token":
             return TokenObjective(label_smoothing, encoder_decoder=is_encoder_decoder)
-        if name == PolicyGradientObjective.name:  # its settings are its own (loss_type, epsilon, ...): the defaults
-            return PolicyGradientObjective()
+        if name in (PolicyGradientObjective.name, RewardObjective.name, KTOObjective.name):
+            return OBJECTIVES[name]()  # their settings are their own (loss_type, beta, ...): the defaults
         return OBJECTIVES[name](label_smoothing=label_smoothing)
 
     labels = batch.get("labels")

@@ -30,13 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.preference import REF_LOGPS
+from ..data.preference import MARGIN, REF_LOGPS
 from ..models.reference import ReferenceModel, build_reference_model
 from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
-from ..ops.loss import IGNORE_INDEX, WindowCounts, shift_labels
-from ..ops.model_io import model_inputs, packed_position_ids
+from ..ops.loss import IGNORE_INDEX, WindowCounts
 from ..runtime.distributed import all_ranks_agree, num_rows
-from .base import Objective, SetupContext
+from .base import Objective, SetupContext, forward_inputs, get_targets
 from .causal_lm import get_batch_sequences
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
@@ -183,7 +182,76 @@ class PreferenceSums(NamedTuple):
     rejected_rewards: torch.Tensor
 
 
-class DPOObjective(Objective):
+def build_objective_reference(context: SetupContext, ref_model, inputs, targets) -> ReferenceModel:
+    """The frozen reference of ``context.model`` (``ref_model``, a copy, or a PEFT base: placed like the policy), with
+    whether its log-probs are chunked decided once from ``inputs`` / ``targets``, on every rank alike: every rank must
+    run the same forwards (a sharded reference gathers its weights in them)."""
+    reference = build_reference_model(
+        context.model, ref_model, context.accelerator, initial_policy=context.initial_policy
+    )
+    problem = reference.check_fused(inputs, targets)
+    reference.fused = all_ranks_agree(problem is None, context.accelerator)
+    return reference
+
+
+def get_reference_logps(reference, given, inputs, targets, index, n: int, chunk_size: int, columns: str):
+    """The reference's log-probs of ``n`` sequences: ``given`` (precomputed, from the batch), else computed now by
+    ``reference`` on ``inputs`` and summed per sequence (``index``: the sequence of each target); an error naming
+    the precomputed ``columns`` when there is neither."""
+    if given is not None:
+        return given
+    if reference is None:
+        raise ValueError(
+            f"This batch has no precomputed reference log-probs ({columns}) and no reference model was set up: "
+            "give every dataset (training and evaluation) the columns, or none of them."
+        )
+    result = reference.logprobs(inputs, targets, chunk_size=chunk_size)
+    return result.logps.new_zeros(n).index_add(0, index, result.logps)
+
+
+class PairedRows:
+    """A micro-batch of B pairs as one ``[2B, T]`` batch (:class:`hfacc.DataCollatorForPreference`): rows ``0..B-1``
+    the chosen sequences, ``B..2B-1`` the rejected ones. What its examples are (a pair is two rows) and which pair
+    each position belongs to, for the objectives of pairs (:class:`DPOObjective`, :class:`hfacc.RewardObjective`)."""
+
+    def num_examples(self, batch: Mapping[str, Any]) -> int:
+        """Pairs in ``batch`` (a collated ``[2B, T]`` batch: half its rows)."""
+        return num_rows(batch) // 2
+
+    def select_examples(self, batch: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
+        """Pairs ``start..stop`` of a collated batch: their chosen rows, then their rejected rows (and their entries of
+        a per-pair value, such as a reward model's ``margin``)."""
+        rows = num_rows(batch)
+        pairs = rows // 2
+        keep = torch.cat([torch.arange(start, stop), torch.arange(pairs + start, pairs + stop)])
+        out = {}
+        for key, value in batch.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows:
+                value = value[keep.to(value.device)]
+            elif torch.is_tensor(value) and value.dim() == 1 and value.shape[0] == pairs:
+                value = value[start:stop]
+            out[key] = value
+        return out
+
+    @staticmethod
+    def _owners(batch, shape) -> tuple[int, torch.Tensor]:
+        """``(pairs, owner)``: the number of pairs and, per position, its sequence (chosen ``0..B-1``, rejected
+        ``B..2B-1``; -1 for the filler of a padding-free layout)."""
+        sequences = get_batch_sequences(batch, shape)
+        if sequences is None or batch.get("sequence_ids") is None:
+            rows = shape[0]
+            if rows % 2:
+                raise ValueError(
+                    f"a preference batch holds chosen and rejected rows of each pair ({rows} rows is odd): collate it "
+                    "with hfacc.DataCollatorForPreference."
+                )
+            owner = torch.arange(rows, device=batch["labels"].device)[:, None].expand(shape)
+            return rows // 2, owner
+        ids, n = sequences
+        return n // 2, ids.expand(shape)
+
+
+class DPOObjective(PairedRows, Objective):
     """Direct preference optimization and its variants, exact per pair under any split of the window.
 
     Args:
@@ -221,7 +289,7 @@ class DPOObjective(Objective):
     supports_padding_free = True
     supports_fused = True
     fused_description = "chunked log-probs from the final hidden states"
-    row_keys = (REF_LOGPS,)
+    row_keys = (REF_LOGPS, MARGIN)  # a margin column (a reward model's) rides along unread
     columns = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", "ref_chosen_logps")
     columns += ("ref_rejected_logps",)
     rate_name = "pairs_per_second"
@@ -278,13 +346,9 @@ class DPOObjective(Objective):
         self.reference = None  # a setup is for one model: never the reference of an earlier one
         if not self.needs_reference or context.batch.get(REF_LOGPS) is not None:
             return
-        self.reference = build_reference_model(
-            context.model, self.ref_model, context.accelerator, initial_policy=context.initial_policy
+        self.reference = build_objective_reference(
+            context, self.ref_model, self._inputs(context.batch), self._targets(context.batch)
         )
-        # Chunked where the reference allows it, decided here once: every rank must run the same forwards (a sharded
-        # reference gathers its weights in them).
-        problem = self.reference.check_fused(self._inputs(context.batch), self._targets(context.batch))
-        self.reference.fused = all_ranks_agree(problem is None, context.accelerator)
 
     def check_fused(self, model, batch, normalization: str = "token") -> str | None:
         """Why the chunked log-probs would not be this model's own (None: they are); see
@@ -392,67 +456,18 @@ class DPOObjective(Objective):
         }
         return logs
 
-    # ---- the examples of a batch: pairs, not rows ----------------------------------------------------------------
-    def num_examples(self, batch: Mapping[str, Any]) -> int:
-        """Pairs in ``batch`` (a collated ``[2B, T]`` batch: half its rows)."""
-        return num_rows(batch) // 2
-
-    def select_examples(self, batch: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
-        """Pairs ``start..stop`` of a collated batch: their chosen rows, then their rejected rows."""
-        rows = num_rows(batch)
-        pairs = rows // 2
-        keep = torch.cat([torch.arange(start, stop), torch.arange(pairs + start, pairs + stop)])
-        out = {}
-        for key, value in batch.items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows:
-                value = value[keep.to(value.device)]
-            out[key] = value
-        return out
-
     # ---- helpers -----------------------------------------------------------------------------------------------
     def _inputs(self, batch):
-        inputs = {k: v for k, v in model_inputs(batch).items() if k not in self.row_keys}
-        if packed_position_ids(inputs) is not None:
-            inputs["use_cache"] = False  # with a cache, transformers does not keep packed sequences apart
-        return inputs
+        return forward_inputs(batch, self.row_keys)
 
     @staticmethod
     def _targets(batch):
-        if batch.get("shift_labels") is not None:
-            return batch["shift_labels"]
-        return shift_labels(
-            batch["labels"], position_ids=batch.get("position_ids"), attention_mask=batch.get("attention_mask")
-        )
-
-    @staticmethod
-    def _owners(batch, shape) -> tuple[int, torch.Tensor]:
-        """``(pairs, owner)``: the number of pairs and, per position, its sequence (chosen ``0..B-1``, rejected
-        ``B..2B-1``; -1 for the filler of a padding-free layout)."""
-        sequences = get_batch_sequences(batch, shape)
-        if sequences is None or batch.get("sequence_ids") is None:
-            rows = shape[0]
-            if rows % 2:
-                raise ValueError(
-                    f"a preference batch holds chosen and rejected rows of each pair ({rows} rows is odd): collate it "
-                    "with hfacc.DataCollatorForPreference."
-                )
-            owner = torch.arange(rows, device=batch["labels"].device)[:, None].expand(shape)
-            return rows // 2, owner
-        ids, n = sequences
-        return n // 2, ids.expand(shape)
+        return get_targets(batch)
 
     def _reference_logps(self, batch, inputs, targets, index, pairs) -> torch.Tensor:
         """The reference's sequence log-probs ``[2B]``: precomputed (the batch's ``ref_logps``) or computed now."""
-        given = batch.get(REF_LOGPS)
-        if given is not None:
-            return given
-        if self.reference is None:
-            raise ValueError(
-                "This batch has no precomputed reference log-probs (ref_chosen_logps / ref_rejected_logps) and no "
-                "reference model was set up: give every dataset (training and evaluation) the columns, or none of them."
-            )
-        result = self.reference.logprobs(inputs, targets, chunk_size=self.chunk_size)
-        return result.logps.new_zeros(2 * pairs).index_add(0, index, result.logps)
+        return get_reference_logps(self.reference, batch.get(REF_LOGPS), inputs, targets, index, 2 * pairs,
+                                   self.chunk_size, "ref_chosen_logps / ref_rejected_logps")  # fmt: skip
 
     def __repr__(self) -> str:
         extra = f", nll_weight={self.nll_weight}" if self.nll_weight else ""
@@ -461,6 +476,7 @@ class DPOObjective(Objective):
 
 __all__ = [
     "DPOObjective",
+    "PairedRows",
     "PreferenceSums",
     "PairScores",
     "preference_losses",

@@ -15,11 +15,17 @@ Three layers, as in :mod:`hfacc.ops.fused_loss`:
 - :class:`LogProbHead`, run in place of the output projection's forward
   (:func:`hfacc.ops.fused_loss.swap_output_head`), and :func:`get_token_logprobs`, which runs a model either that way
   or from its full logits.
+
+Losses that compare whole next-token distributions (distillation) are linear in their per-token terms again, so
+:func:`chunked_linear_loss` forms their gradient in the forward, a chunk at a time, as the fused cross-entropy does,
+for any per-chunk loss given as a function of the chunk's logits (:class:`LossHead` runs it inside a model's
+forward); :class:`HiddenStatesHead` keeps a frozen model's final hidden states at the targets and its projection,
+so that another model's loss can compute that model's logits chunk by chunk too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +35,7 @@ from torch import nn
 from .fused_loss import fused_loss_problem, swap_output_head
 from .loss import IGNORE_INDEX
 from .model_io import get_base_model, get_logits
+from .precision import get_compute_dtype
 
 
 def chunk_logits(
@@ -268,12 +275,170 @@ def check_fused_logprobs(
     returned = get_logits(outputs)
     if returned.shape != fused.logps.shape or not torch.equal(returned.float(), fused.logps):
         return "the model post-processes its logits (e.g. soft-capping or scaling)"
-    tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 2e-2
+    # The precision the two runs computed in (hfacc.setup.layout_check runs this check in fp32 for fp32 weights).
+    tolerance = 1e-5 if get_compute_dtype(model) == torch.float32 else 2e-2
     scale = plain.logps.abs().max().clamp(min=1.0)
     difference = ((fused.logps - plain.logps).abs().max() / scale).item() if plain.logps.numel() else 0.0
     if not difference <= tolerance:
         return f"the chunked log-probs differ from the model's own logits by {difference:.1e}"
     return None
+
+
+# ---- losses over whole next-token distributions, linear in their per-token terms ------------------------------
+# A chunk's loss: (logits [n, V] fp32 of rows `rows` of the N targets, with_grad) -> (losses [n], d sum(losses) /
+# d logits [n, V] or None, per-target statistics [n, E] that take no gradient).
+ChunkLoss = Callable[[torch.Tensor, slice, bool], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+
+
+class _ChunkedLinearLoss(torch.autograd.Function):
+    """``S = sum_t loss_t(h_t W^T + b)``, its gradients formed in the forward, chunk by chunk.
+
+    Why backward may just scale what forward computed (as :mod:`hfacc.ops.fused_loss` does for cross-entropy): the
+    loss backpropagated is ``S * c`` for a scalar c that depends on none of ``h``, ``W``, ``b`` (``c = P / N``, the
+    window normalization is linear in the sums). So ``dL/dh = c * dS/dh``: the gradients of S, computed while each
+    chunk's logits exist, times the incoming gradient. One ``[chunk, V]`` block of logits (and the loss's own
+    temporaries) exists at a time, and no logits are kept for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, chunk_loss, chunk_size, num_stats):
+        n = hidden.shape[0]
+        needs = ctx.needs_input_grad
+        grad_hidden = torch.empty_like(hidden) if needs[0] else None
+        # fp32 accumulators: the gradient of W is a sum over all chunks.
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs[1] else None
+        grad_bias = (
+            torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+            if bias is not None and needs[2]
+            else None
+        )
+        with_grad = grad_hidden is not None or grad_weight is not None or grad_bias is not None
+        losses = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        stats = torch.zeros(n, num_stats, dtype=torch.float32, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            rows = slice(start, min(start + chunk_size, n))
+            h = hidden[rows]
+            losses[rows], grad_logits, stats[rows] = chunk_loss(chunk_logits(h, weight, bias), rows, with_grad)
+            if grad_hidden is not None:
+                grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.t(), h.float())  # in place: no [V, H] temporary per chunk
+            if grad_bias is not None:
+                grad_bias += grad_logits.sum(0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.mark_non_differentiable(losses, stats)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return losses.sum(), losses, stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_losses, _grad_stats):
+        if getattr(ctx, "done", False):
+            raise RuntimeError("the chunked loss scales its stored gradients in place: backward through it only once")
+        ctx.done = True
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        return (
+            None if grad_hidden is None else grad_hidden.mul_(grad_loss.to(grad_hidden.dtype)),
+            None if grad_weight is None else grad_weight.mul_(grad_loss).to(ctx.dtypes[0]),
+            None if grad_bias is None else grad_bias.mul_(grad_loss).to(ctx.dtypes[1]),
+            None,
+            None,
+            None,
+        )
+
+
+def chunked_linear_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunk_loss: ChunkLoss,
+    *,
+    num_stats: int,
+    chunk_size: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(S, losses, stats)``: ``S = sum_t losses[t]`` over the N rows of ``hidden`` ``[N, H]`` (differentiable with
+    respect to ``hidden``, ``weight``, ``bias``), where ``chunk_loss(logits, rows, with_grad)`` gives the losses of
+    one chunk of rows from its logits ``hidden[rows] @ weight.T + bias`` (fp32), their gradient with respect to those
+    logits, and ``num_stats`` statistics per row (no gradient).
+
+    The full ``[N, V]`` logits never exist; the gradient is formed in the forward, so ``S`` may enter the loss only
+    linearly (times a constant) and be backpropagated once (see ``_ChunkedLinearLoss``).
+    """
+    if chunk_size <= 0:
+        chunk_size = _default_chunk_size(weight.shape[0])
+    return _ChunkedLinearLoss.apply(hidden, weight, bias, chunk_loss, chunk_size, num_stats)
+
+
+class LossHead:
+    """The output projection's ``forward`` for one model forward: it returns a chunked loss sum over the targets.
+
+    Like :class:`LogProbHead` (swapped in with :func:`hfacc.ops.fused_loss.swap_output_head`): the head module is
+    called as usual, so distributed engines gather a sharded weight around this code; backpropagate from what the
+    model returns in place of its logits. ``make_loss(mask)`` gives the :data:`ChunkLoss` of the batch's target rows
+    (``targets != -100``, row-major); ``result`` is :func:`chunked_linear_loss`'s ``(S, losses, stats)``.
+    """
+
+    def __init__(
+        self,
+        head: nn.Linear,
+        targets: torch.Tensor,
+        chunk_loss: ChunkLoss,
+        num_stats: int,
+        chunk_size: int = 0,
+        vocab_size: int | None = None,
+    ):
+        self.head, self.targets, self.chunk_loss, self.num_stats = head, targets, chunk_loss, num_stats
+        self.chunk_size, self.vocab_size = chunk_size, vocab_size
+        self.result: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:-1] != self.targets.shape:
+            raise RuntimeError(
+                f"chunked loss: hidden states {tuple(hidden.shape)} do not match the targets "
+                f"{tuple(self.targets.shape)}"
+            )
+        weight, bias = get_head_weights(self.head, self.vocab_size)
+        mask = self.targets != IGNORE_INDEX
+        self.result = chunked_linear_loss(
+            hidden[mask], weight, bias, self.chunk_loss, num_stats=self.num_stats, chunk_size=self.chunk_size
+        )
+        return self.result[0]
+
+
+def get_head_weights(head: nn.Module, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The output projection's ``(weight, bias)`` as its forward sees them, cut to the first ``vocab_size`` rows
+    (a vocabulary padded beyond the tokenizer: its extra rows are no token). Read inside the head's forward, where
+    FSDP2 and ZeRO-3 have gathered a sharded weight."""
+    weight, bias = head.weight, head.bias
+    if vocab_size is not None and vocab_size < weight.shape[0]:
+        weight, bias = weight[:vocab_size], None if bias is None else bias[:vocab_size]
+    return weight, bias
+
+
+class HiddenStatesHead:
+    """The output projection's ``forward`` of a frozen model, for one forward: it keeps the final hidden states at
+    the ``mask`` positions (``[N, H]``) and the projection's weight and bias, and returns a 0-d zero in place of the
+    logits, so the model's ``[B, T, V]`` logits never exist. Another model's :class:`LossHead` then computes this
+    model's logits of each chunk from them (``chunk_logits(hidden[rows], weight, bias)``).
+
+    ``copy_weight``: keep a copy of the weight, for a weight that is sharded (FSDP2, ZeRO-3): gathered only for the
+    head's forward, it is released after it. Unsharded, the weight itself is kept (no copy).
+    """
+
+    def __init__(self, head: nn.Module, mask: torch.Tensor, copy_weight: bool = False, vocab_size: int | None = None):
+        self.head, self.mask, self.copy_weight, self.vocab_size = head, mask, copy_weight, vocab_size
+        self.hidden = self.weight = self.bias = None
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:-1] != self.mask.shape:
+            raise RuntimeError(
+                f"hidden states {tuple(hidden.shape)} do not match the target mask {tuple(self.mask.shape)}"
+            )
+        weight, bias = get_head_weights(self.head, self.vocab_size)
+        weight, bias = weight.detach(), None if bias is None else bias.detach()
+        if self.copy_weight:
+            weight, bias = weight.clone(), None if bias is None else bias.clone()
+        self.hidden, self.weight, self.bias = hidden[self.mask].detach(), weight, bias
+        return hidden.new_zeros(())
 
 
 __all__ = [
@@ -286,4 +451,9 @@ __all__ = [
     "logprobs_from_logits",
     "get_token_logprobs",
     "check_fused_logprobs",
+    "ChunkLoss",
+    "chunked_linear_loss",
+    "LossHead",
+    "HiddenStatesHead",
+    "get_head_weights",
 ]

@@ -6,7 +6,7 @@ than these few readings.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -21,6 +21,16 @@ NON_MODEL_KEYS = ("labels", "shift_labels", "sequence_ids", "num_sequences", "pa
 def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
     """The entries of ``batch`` that go to the model: everything but the labels."""
     return {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
+
+
+def forward_inputs(batch: Mapping[str, Any], row_keys: Collection[str] = ()) -> dict[str, Any]:
+    """What of ``batch`` goes into the model's forward: its model inputs without the per-row values an objective
+    reads (``row_keys``), and no cache for packed rows (with one, transformers does not keep packed sequences
+    apart: :func:`packed_position_ids`)."""
+    inputs = {k: v for k, v in model_inputs(batch).items() if k not in row_keys}
+    if packed_position_ids(inputs) is not None:
+        inputs["use_cache"] = False
+    return inputs
 
 
 def get_logits(outputs: Any) -> torch.Tensor:

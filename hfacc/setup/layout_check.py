@@ -9,6 +9,14 @@ tokens), image features given to the wrong sequence. So :func:`choose_padding_fr
 running it (:func:`check_padding_free`, :func:`check_row_offsets`, with images :func:`check_image_layout`), which
 layout is exact, and falls back to the padded batch, said at WARNING, when none is; :func:`require_packing_support`
 refuses packed data a model cannot keep apart (:func:`check_packing`). Every bound is :func:`get_tolerance`'s.
+
+The checks judge semantics, not rounding. Where the weights are fp32 they run in fp32 with autocast off, whatever
+precision training computes in (:func:`hfacc.ops.precision.get_check_precision`): a bf16 run's rounding differs between
+two layouts by far more than 1e-6, and would hide a leak of 1e-5 (LFM2's) as well as fake a broken model. Where the
+weights themselves are half precision (or the attention kernel takes nothing else: flash attention), they run as
+training computes, within the bound of that precision's rounding; what must be exactly 0 (a leak between the sequences
+of a row, a gradient reaching a filler) is judged exactly in every precision, by gradients that only a leak makes
+nonzero.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from ..objectives import Objective
 from ..ops.fused_loss import fused_loss_problem, swap_output_head
 from ..ops.loss import IGNORE_INDEX, get_sequence_starts, shift_labels
 from ..ops.model_io import get_aux_loss, get_base_model, get_input_embeddings, get_logits, model_inputs
+from ..ops.precision import check_precision, get_tolerance
 from ..runtime.distributed import all_ranks_agree
 
 logger = logging.getLogger(__name__)
@@ -65,14 +74,16 @@ def check_padding_free(
     one_row: bool | None = None,
     tolerance: float | None = None,
     max_tokens: int = CHECK_TOKENS,
+    gradient: bool = True,
 ) -> str | None:
     """Run a few sequences padded and padding-free, forward and backward; None if the layout is exact, else why not.
 
     The sequences are the first real tokens of ``batch``, cut to three of different lengths (at most
     ``max_tokens`` in all) and padded on the side ``batch`` is padded, then laid out as training will (``one_row``,
     by default from :func:`uses_one_row`; packed rows hold two of them and a filler): the same small work on every
-    rank whatever its data, so sharded models (FSDP, DeepSpeed) run it in step. Compared, relative to the padded
-    run, within :func:`get_tolerance` (1e-6 in fp32):
+    rank whatever its data, so sharded models (FSDP, DeepSpeed) run it in step. The run is in the check's precision
+    (:func:`hfacc.ops.precision.get_check_precision`: fp32 for fp32 weights, autocast off). Compared, relative to the
+    padded run, within :func:`get_tolerance` of that dtype (1e-6 in fp32):
 
     - what the loss sees: the logits and cross-entropy of every real position and the model's auxiliary (router)
       loss, which a filler counted by the router moves;
@@ -81,18 +92,21 @@ def check_padding_free(
       ``torch.autograd.grad`` from the embeddings' output, so no parameter's ``.grad`` is touched and no engine's
       gradient hook runs; it goes through every layer's backward (a NaN from the filler, a leak in the backward).
       A model without ``get_input_embeddings`` is compared forward only;
-    - leaks: the first sequence of each row with several is changed (other tokens) and the row run again: the
-      logits of the others must not move beyond rounding (1 eps relative; bit for bit on a model that keeps them
-      apart, unless it regroups tokens, as a mixture of experts does).
+    - leaks, two ways: the first sequence of each row with several is changed (other tokens) and the row run again:
+      the logits of the others must not move beyond rounding (an eighth of the bound: 1 eps in fp32; bit for bit on
+      a model that keeps them apart, unless it regroups tokens, as a mixture of experts does); and the gradient of
+      the others' loss must not reach the first sequence's embeddings at all: exactly 0 in any precision where
+      nothing runs across the sequences, and not 0 where a convolution or a scan does (LFM2, Jamba), however
+      small the leak and however coarse the precision.
 
-    The model runs in eval mode (dropout would make any two runs differ). The rows here are short; where training
+    ``gradient=False`` compares the forward only (the gradient leak test too is skipped), for a frozen model no
+    backward ever runs through (a distillation teacher). The model runs in eval mode (dropout would make any two runs differ). The rows here are short; where training
     lays sequences far into a row, :func:`check_row_offsets` checks those offsets.
     """
     problem = position_ids_problem(get_base_model(model))
     if problem:
         return problem
     one_row = uses_one_row(model) if one_row is None else one_row
-    tolerance = get_tolerance(next(model.parameters()).dtype) if tolerance is None else tolerance
     lengths = [max(2, max_tokens // 6), max(2, max_tokens // 3), max(2, max_tokens // 2)]
     padded = _check_batch(batch, lengths, left=_is_left_padded(batch))
     row = remove_padding(padded, one_row)
@@ -106,13 +120,15 @@ def check_padding_free(
     was_training = model.training
     model.eval()
     try:
-        reference = _run_check(model, padded, with_grad=True)
-        laid = _run_check(model, row, with_grad=True)
-        moved = _run_check(model, {**row, "input_ids": other}, with_grad=False)
+        with check_precision(model) as precision:
+            reference = _run_check(model, padded, with_grad=gradient)
+            laid = _run_check(model, row, with_grad=gradient)
+            moved = _run_check(model, {**row, "input_ids": other}, with_grad=gradient, watched=watched)
     except Exception as err:  # a model whose forward does something unexpected with position_ids
         return f"the padding-free forward failed ({type(err).__name__}: {err})"
     finally:
         model.train(was_training)
+    tolerance = get_tolerance(precision.dtype) if tolerance is None else tolerance
     if laid.logits.shape[:2] != owner.shape:
         return f"the padding-free forward returned logits of shape {tuple(laid.logits.shape)}"
     # Each real position of the padded batch and where it lies in the layout (sorted by its index in the padded batch).
@@ -123,7 +139,7 @@ def check_padding_free(
         return values.flatten(0, 1)[order]
 
     # (what, relative difference, bound): what the loss sees and its gradient within the promise; a leak to rounding
-    # (bit for bit where nothing regroups the tokens); the filler's gradient exactly 0, in any precision.
+    # (bit for bit where nothing regroups the tokens); the filler's gradient and a leak's exactly 0, in any precision.
     checks = [
         ("its logits", _relative(unpadded(laid.logits), reference.logits[mask]), tolerance),
         ("the loss", _relative(unpadded(laid.losses), reference.losses[mask]), tolerance),
@@ -135,12 +151,17 @@ def check_padding_free(
             padded_too = "" if torch.isfinite(expected).all() else " (nor padded: the data itself gives one)"
             return f"its gradient is not finite{padded_too}"
         checks.append(("its gradient", _relative(unpadded(laid.grad), expected), tolerance))
-        filler = laid.grad[~real].double()
+        filler = laid.grad[~real]
         if filler.numel():  # nothing reads the filler: no gradient reaches it unless something counts it
-            inert = (filler.norm() / expected.double().norm().clamp(min=1e-30)).item()
-            checks.append(("the gradient that reaches the filler", inert, 0.0))
+            checks.append(("the gradient that reaches the filler", _share(filler, expected), 0.0))
     leak = _relative(moved.logits[watched], laid.logits[watched])
     checks.append(("a sequence's logits when the one before it in its row changes (a leak)", leak, tolerance / 8))
+    if moved.grad is not None and changed.any():
+        # Only a path between the sequences of a row carries the later ones' loss back to the first one.
+        reached = _share(moved.grad[changed], moved.grad[watched])
+        checks.append(
+            ("the gradient of a sequence's loss that reaches the one before it in its row (a leak)", reached, 0.0)
+        )
     wrong = [
         f"{what} by {d:.1e} relative ({f'bound {bound:.0e}' if bound else 'it must be 0'})"
         for what, d, bound in checks
@@ -165,14 +186,14 @@ def check_row_offsets(
     the row index once it passes ``floor_scale``, 8192; its chunked attention cuts at multiples of 8192 of the row):
     a sequence laid far into a packed row then differs, by nothing at the offsets of a short check. So one row of
     ``row_length`` tokens (the longest row training will lay out) is tiled with ``tiles`` sequences of the batch's
-    tokens and run, forward only, against the same sequences padded (each from 0): the final hidden states of each
-    tile must match within :func:`get_tolerance` (relative L2). The length verified is where the first tile that
-    differs starts (``row_length`` if none does, with ``why`` None); rows of that length are then exact
-    (:func:`remove_padding`'s ``max_row_length``). The work is one forward of ``row_length`` tokens and one of the
-    same tokens padded, less than a training step's; where the output projection is a plain ``Linear`` its input is
-    taken and the logits are never built.
+    tokens and run, forward only, against the same sequences padded (each from 0): the final hidden states of each tile
+    must match within :func:`get_tolerance` of the check's precision (relative L2; 1e-6 for fp32 weights, autocast off
+    under any mixed precision: :func:`hfacc.ops.precision.get_check_precision`). The length verified is where the first
+    tile that differs starts (``row_length`` if none does, with ``why`` None); rows of that length are then exact
+    (:func:`remove_padding`'s ``max_row_length``). The work is one forward of ``row_length`` tokens and one of the same
+    tokens padded, less than a training step's; where the output projection is a plain ``Linear`` its input is taken
+    and the logits are never built.
     """
-    tolerance = get_tolerance(next(model.parameters()).dtype) if tolerance is None else tolerance
     size = max(row_length // tiles, 2)
     lengths = [size] * (tiles - 1) + [max(row_length - size * (tiles - 1), 2)]
     padded = _check_batch(batch, lengths, left=False)
@@ -180,12 +201,14 @@ def check_row_offsets(
     was_training = model.training
     model.eval()
     try:
-        reference = _final_states(model, padded)[padded["attention_mask"].bool()]
-        laid = _final_states(model, row).flatten(0, 1)
+        with check_precision(model) as precision:
+            reference = _final_states(model, padded)[padded["attention_mask"].bool()]
+            laid = _final_states(model, row).flatten(0, 1)
     except Exception as err:
         return 0, f"a row of {row_length} tokens failed ({type(err).__name__}: {err})"
     finally:
         model.train(was_training)
+    tolerance = get_tolerance(precision.dtype) if tolerance is None else tolerance
     if laid.shape != reference.shape:
         return 0, f"a row of {row_length} tokens gave outputs of shape {tuple(laid.shape)}"
     start = 0
@@ -242,32 +265,40 @@ def choose_padding_free(
         return PaddingFreeChoice(False)
     preferred = uses_one_row(model)
     longest = _row_lengths(batch, accelerator, max_tokens_per_batch, longest_sequence)
+    view = objective.layout_view(model)  # what the objective reads at each position (a reward model: its scores)
     # Each layout, in order of preference: exact (checked at training's row length), exact up to a row length, or not.
     exact, bounded, reasons = None, None, {}
-    for one_row in (preferred, not preferred):
-        problem = check_padding_free(model, batch, one_row)
-        if problem is None and takes_images(model):
-            problem = _image_problem(model, batch, one_row)  # a vision-language model: with real images
-        if not all_ranks_agree(problem is None, accelerator):
-            reasons[one_row] = problem or "not exact on another rank"
-            continue
-        target = longest[one_row]
-        # The short check's rows hold up to CHECK_TOKENS; longer ones are run as long as training will lay them out.
-        length, why = check_row_offsets(model, batch, target) if target > CHECK_TOKENS else (target, None)
-        length = _min_over_ranks(length, accelerator)
-        if length >= target:
-            # Verified up to the target, not beyond: a longer row later could read offsets nothing here ran.
-            exact = PaddingFreeChoice(True, one_row, target)
-            break
-        reasons[one_row] = why or "a long row differs on another rank"
-        if length >= 2 and bounded is None:
-            bounded = PaddingFreeChoice(True, one_row, length)
+    with check_precision(model) as precision:  # what the checks below compute in, said in the log
+        for one_row in (preferred, not preferred):
+            problem = check_padding_free(view, batch, one_row)
+            if problem is None and takes_images(model):
+                problem = _image_problem(model, batch, one_row)  # a vision-language model: with real images
+            if not all_ranks_agree(problem is None, accelerator):
+                reasons[one_row] = problem or "not exact on another rank"
+                continue
+            target = longest[one_row]
+            # The short check's rows hold up to CHECK_TOKENS; longer ones run as long as training will lay them out.
+            length, why = check_row_offsets(view, batch, target) if target > CHECK_TOKENS else (target, None)
+            length = _min_over_ranks(length, accelerator)
+            if length >= target:
+                # Verified up to the target, not beyond: a longer row later could read offsets nothing here ran.
+                exact = PaddingFreeChoice(True, one_row, target)
+                break
+            reasons[one_row] = why or "a long row differs on another rank"
+            if length >= 2 and bounded is None:
+                bounded = PaddingFreeChoice(True, one_row, length)
     choice = exact or bounded or PaddingFreeChoice(False)
     others = "".join(f" Not {_layout_name(r)}: {why}." for r, why in reasons.items() if r != choice.one_row)
+    if precision.dtype != torch.float32 or precision.training != torch.float32:  # where it is not plain fp32, said
+        checked = f" Checked in {precision.describe()}."
+        others += checked
+    else:
+        checked = ""
     if not choice.padding_free:
         logger.warning(
-            "hfacc: padded micro-batches, as collated: %s. Set padding_free=False to skip the check.",
+            "hfacc: padded micro-batches, as collated: %s.%s Set padding_free=False to skip the check.",
             "; ".join(f"{_layout_name(r)}: {why}" for r, why in reasons.items()),
+            checked,
         )
     elif choice is not exact:
         logger.warning(
@@ -292,9 +323,10 @@ def choose_padding_free(
     else:
         logger.info(
             "hfacc: padding-free micro-batches (%s): checked, the loss, its gradient and rows of %d tokens match the "
-            "padded run (no longer row is laid out), and packed sequences do not leak.",
+            "padded run (no longer row is laid out), and packed sequences do not leak.%s",
             _layout_name(choice.one_row),
             longest[choice.one_row],
+            others,
         )
     return choice
 
@@ -347,14 +379,20 @@ class _Run(NamedTuple):
     grad: torch.Tensor | None  # d (mean loss + aux) / d input embeddings, [rows, width, hidden]
 
 
-def _run_check(model: nn.Module, batch: Mapping[str, Any], with_grad: bool) -> _Run:
-    """One forward of the check (and, ``with_grad``, the gradient with respect to the input embeddings)."""
+def _run_check(
+    model: nn.Module, batch: Mapping[str, Any], with_grad: bool, watched: torch.Tensor | None = None
+) -> _Run:
+    """One forward of the check and, ``with_grad``, the gradient with respect to the input embeddings: of the mean
+    loss plus the auxiliary loss, or, with ``watched`` (a ``[rows, width]`` mask), of the summed loss of the watched
+    positions alone (the auxiliary loss, a statistic of every token, left out)."""
     embeddings = get_input_embeddings(model)
     leaf = []
 
     def capture(module, args, output):  # the embeddings as a leaf of their own: the gradient stops here
         leaf.append(output.detach().requires_grad_())
-        return leaf[-1]
+        # The model gets a copy, not the leaf: a model that scales its embeddings in place (CTRL multiplies them
+        # by sqrt(d_model)) may do so to a tensor autograd made, never to a leaf that requires grad.
+        return leaf[-1].clone()
 
     handle = embeddings.register_forward_hook(capture) if with_grad and embeddings is not None else None
     try:
@@ -362,15 +400,26 @@ def _run_check(model: nn.Module, batch: Mapping[str, Any], with_grad: bool) -> _
             # hfacc.data.multimodal: mrope models see the sequences of a row too (unchanged for other models)
             outputs = model(**with_packed_positions(model, model_inputs(batch)), use_cache=False)
             logits = get_logits(outputs).float()
-            targets = _targets(batch)
-            losses = F.cross_entropy(
-                logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-            ).view(targets.shape)
+            if logits.dim() == 3 and logits.shape[-1] == 1:
+                # A scorer (a reward model, hfacc.ops.scores.PerPositionScores): its value at every real position is
+                # what its loss may read (each sequence's last one), so that value is the check's loss.
+                real = batch["attention_mask"].bool() if "attention_mask" in batch else batch["sequence_ids"] >= 0
+                losses, counted = torch.where(real, logits[..., 0], 0.0), real
+            else:
+                targets = _targets(batch)
+                losses = F.cross_entropy(
+                    logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+                ).view(targets.shape)
+                counted = targets != IGNORE_INDEX
             aux = get_aux_loss(model, outputs)
             grad = None
             if len(leaf) == 1:
-                loss = losses.sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
-                (grad,) = torch.autograd.grad(loss + (aux if aux is not None else 0), leaf[0], allow_unused=True)
+                if watched is None:
+                    loss = losses.sum() / counted.sum().clamp(min=1)
+                    loss = loss + (aux if aux is not None else 0)
+                else:  # a sum, not a mean: no rounding toward 0 of a small leak in half precision
+                    loss = losses[watched].sum()
+                (grad,) = torch.autograd.grad(loss, leaf[0], allow_unused=True)
     finally:
         if handle is not None:
             handle.remove()
@@ -398,6 +447,11 @@ def _final_states(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
         except Exception:  # a model that reshapes its logits: the plain forward below
             pass
     return get_logits(model(**inputs)).detach().float()
+
+
+def _share(part: torch.Tensor, whole: torch.Tensor) -> float:
+    """``|part| / |whole|`` (L2, in float64): how much of a gradient reaches where none should (exactly 0 if none)."""
+    return (part.double().norm() / whole.double().norm().clamp(min=1e-30)).item()
 
 
 def _relative(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
@@ -467,22 +521,17 @@ def position_ids_problem(model) -> str | None:
     )
 
 
-def get_tolerance(dtype: torch.dtype) -> float:
-    """The bound of hfacc's layout checks (packed rows, padding-free micro-batches):
-    1e-6 relative in fp32, the promise on gradients; as many rounding units (8 eps) in half precision: 6.6e-2 in
-    bf16, 8.2e-3 in fp16."""
-    return 1e-6 * torch.finfo(dtype).eps / torch.finfo(torch.float32).eps
-
-
-@torch.no_grad()
 def check_packing(model, batch, tolerance: float | None = None) -> str | None:
     """Run the first packed row both packed and one sequence at a time; None if every sequence's logits match.
 
-    A model or attention implementation that lets packed sequences attend to each other, or a layer that runs
-    across them (LFM2's short convolution, Jamba's Mamba scan), would silently train on the wrong context. A model
-    whose forward takes no ``position_ids`` (Bloom) cannot tell them apart at all; it is refused without a run. The
-    comparison is each sequence's relative L2 difference, in fp32, within :func:`get_tolerance` (1e-6 for fp32
-    weights: a fresh LFM2 leaks by ~1e-5, under the 1e-4 this check once allowed).
+    A model or attention implementation that lets packed sequences attend to each other, or a layer that runs across
+    them (LFM2's short convolution, Jamba's Mamba scan), would silently train on the wrong context. A model whose
+    forward takes no ``position_ids`` (Bloom) cannot tell them apart at all; it is refused without a run. The
+    comparison is each sequence's relative L2 difference, in the check's precision (fp32 for fp32 weights, autocast
+    off: :func:`hfacc.ops.precision.get_check_precision`), within :func:`get_tolerance` (1e-6 in fp32: a fresh LFM2
+    leaks by ~1e-5, under the 1e-4 this check once allowed). And, in any precision, the gradient of the row's later
+    sequences' loss must not reach the first sequence's embeddings at all (exactly 0): half precision's bound is wider
+    than such a leak.
     """
 
     problem = position_ids_problem(get_base_model(model))
@@ -492,27 +541,40 @@ def check_packing(model, batch, tolerance: float | None = None) -> str | None:
         batch
     ):  # rows with images: all of them, against their sequences padded (hfacc.data.multimodal)
         return check_image_layout(model, unpack_rows(batch), batch, tolerance)
-    if tolerance is None:
-        tolerance = get_tolerance(next(model.parameters()).dtype)
     was_training = model.training
     model.eval()
     try:
         positions = batch["position_ids"][:1]
         ids = batch["input_ids"][:1]
-        inputs = with_packed_positions(model, {"input_ids": ids, "position_ids": positions})  # mrope models
-        packed = get_logits(model(**inputs, use_cache=False)).double()
         starts = get_sequence_starts(positions[0]).nonzero().flatten().tolist() + [positions.shape[1]]
-        worst = 0.0
-        for a, b in zip(starts[:-1], starts[1:], strict=True):
-            alone = get_logits(model(input_ids=ids[:, a:b], use_cache=False)).double()
-            difference = ((packed[:, a:b] - alone).norm() / alone.norm().clamp(min=1e-30)).item()
-            worst = max(worst, difference) if difference == difference else float("nan")
+        with check_precision(model) as precision:
+            with torch.no_grad():
+                inputs = with_packed_positions(model, {"input_ids": ids, "position_ids": positions})  # mrope models
+                packed = get_logits(model(**inputs, use_cache=False)).double()
+                worst = 0.0
+                for a, b in zip(starts[:-1], starts[1:], strict=True):
+                    alone = get_logits(model(input_ids=ids[:, a:b], use_cache=False)).double()
+                    difference = ((packed[:, a:b] - alone).norm() / alone.norm().clamp(min=1e-30)).item()
+                    worst = max(worst, difference) if difference == difference else float("nan")
+            reached = 0.0
+            if len(starts) > 2:  # several sequences: does the later ones' loss reach the first one?
+                first = torch.zeros_like(ids, dtype=torch.bool)
+                first[:, : starts[1]] = True
+                probe = {"input_ids": ids, "position_ids": positions, "labels": ids}
+                grad = _run_check(model, probe, with_grad=True, watched=~first).grad
+                reached = 0.0 if grad is None else _share(grad[first], grad[~first])
     finally:
         model.train(was_training)
+    tolerance = get_tolerance(precision.dtype) if tolerance is None else tolerance
     if not worst <= tolerance:
         return (
             f"packed sequences are not kept apart by this model/attention implementation (logits differ by "
             f"{worst:.1e} relative, over {tolerance:.0e})"
+        )
+    if not reached == 0:
+        return (
+            "packed sequences are not kept apart by this model/attention implementation (the gradient of a "
+            f"sequence's loss reaches the one before it in its row: {reached:.1e} relative, where it must be 0)"
         )
     return None
 
@@ -529,7 +591,6 @@ def require_packing_support(model, batch) -> None:
     logger.info("hfacc: packed rows checked: each sequence's logits match its unpacked run.")
 
 
-@torch.no_grad()
 def check_image_layout(
     model: nn.Module, padded: Mapping[str, Any], laid: Mapping[str, Any] | None, tolerance: float | None = None
 ) -> str | None:
@@ -539,18 +600,20 @@ def check_image_layout(
     ``laid`` holds the same sequences in the same order (its ``sequence_ids``, when set, name each position's
     padded row). This is the check that can see what images add to a layout: features assigned to the wrong image
     tokens, 2-D positions computed across sequences, image tokens attending across sequences (Gemma 3's
-    bidirectional image blocks). The tolerance is relative to the largest logit: 1e-4 for fp32, 3e-2 otherwise.
+    bidirectional image blocks). The logits are compared as relative L2, in the check's precision
+    (:func:`hfacc.ops.precision.get_check_precision`), within :func:`get_tolerance` (1e-6 in fp32; the four
+    families of tests/vision_families.py differ by 8e-8 and less where the layout is right, by 0.13 and more where
+    it is not).
     """
     if laid is None:
         return "the batch with its images cannot be laid out without padding"
-    if tolerance is None:
-        tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2
     keep, inputs = model_inputs(padded), model_inputs(laid)
     was_training = model.training
     model.eval()
     try:
-        reference = get_logits(model(**keep, use_cache=False)).float()[keep["attention_mask"].bool()]
-        logits = get_logits(model(**with_packed_positions(model, inputs), use_cache=False)).float().flatten(0, 1)
+        with torch.no_grad(), check_precision(model) as precision:
+            reference = get_logits(model(**keep, use_cache=False)).float()[keep["attention_mask"].bool()]
+            logits = get_logits(model(**with_packed_positions(model, inputs), use_cache=False)).float().flatten(0, 1)
     except Exception as err:  # a model whose forward does something unexpected with packed images
         return f"the padding-free forward with images failed ({type(err).__name__}: {err})"
     finally:
@@ -561,7 +624,8 @@ def check_image_layout(
         logits = logits[torch.cat([(owner == b).nonzero().flatten() for b in range(int(laid["num_sequences"]))])]
     if logits.shape != reference.shape:
         return f"the forward without padding returned logits of shape {tuple(logits.shape)}"
-    worst = ((logits - reference).abs().max() / reference.abs().max().clamp(min=1e-6)).item()
+    tolerance = get_tolerance(precision.dtype) if tolerance is None else tolerance
+    worst = _relative(logits, reference)
     if not worst <= tolerance:
         return (
             f"with images, its logits without padding differ from the padded ones by {worst:.1e} relative (image "

@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from ..objectives import Objective
+from ..ops.precision import check_precision
 from ..runtime.distributed import all_ranks_agree
 
 
@@ -46,6 +47,9 @@ def choose_loss_path(
     else:
         # DDP, DeepSpeed ZeRO-1/2 (whole parameters), FSDP2 and ZeRO-3: the engine gathers a sharded output
         # projection for the head's forward, inside which the fused loss runs (hfacc.ops.fused_loss.FusedOutputHead).
-        problem = objective.check_fused(model, batch, normalization=normalization)
+        # Where the layout checks run (fp32 with autocast off for fp32 weights): a question of the model, not of
+        # a bf16 run's rounding.
+        with check_precision(model):
+            problem = objective.check_fused(model, batch, normalization=normalization)
     objective.fused = all_ranks_agree(problem is None, accelerator)
     return None if objective.fused else problem or "another rank could not fuse"

@@ -9,7 +9,9 @@ engines stay in step, and the ranks agree on each answer):
    (:func:`hfacc.setup.layout_check.choose_padding_free`), else the batches as collated;
 3. the loss path: the fused chunked loss where the objective and the model allow it
    (:func:`hfacc.setup.loss_path.choose_loss_path`), else full logits;
-4. the objective's own decisions (:meth:`hfacc.Objective.setup`: a reference model, ...).
+4. the objective's own decisions (:meth:`hfacc.Objective.setup`: a reference model, a teacher, ...); a frozen model
+   it runs on every micro-batch in the same layout (:meth:`hfacc.Objective.companion_models`: a distillation
+   teacher) must pass the padding-free check too, else the micro-batches stay padded.
 
 Whatever was guessed is said at WARNING once, with the setting that makes it explicit; the choices taken are said
 at INFO. Training (:class:`hfacc.TokenWeightedTrainer`) runs it on its first micro-batch; ``hfacc verify`` takes the
@@ -28,7 +30,8 @@ from torch import nn
 from ..objectives import LossFunctionObjective, ModelLossObjective, Objective, get_objective
 from ..objectives.base import SetupContext
 from ..ops.model_io import get_base_model
-from .layout_check import choose_padding_free
+from ..runtime.distributed import all_ranks_agree
+from .layout_check import CHECK_TOKENS, check_padding_free, check_row_offsets, choose_padding_free
 from .loss_path import choose_loss_path
 
 logger = logging.getLogger(__name__)
@@ -118,6 +121,8 @@ def build_model_setup(
         elif fused_loss:
             logger.warning("hfacc: plain loss path (full logits): %s.", problem)
     objective.setup(SetupContext(model, batch, accelerator, args, trainer, initial_policy))
+    if setup.padding_free:
+        _check_companion_layouts(setup, objective, batch, accelerator)
     accumulation = getattr(args, "gradient_accumulation_steps", 1) or 1
     if accumulation > 1 or accelerator.num_processes > 1 or getattr(args, "max_tokens_per_batch", 0):
         _warn_about_router_loss(model)
@@ -125,6 +130,26 @@ def build_model_setup(
     if isinstance(objective, ModelLossObjective) and normalization != "micro_batch":
         logger.warning("hfacc: with objective 'model_loss', every micro-batch counts as one target.")
     return setup
+
+
+def _check_companion_layouts(setup: ModelSetup, objective: Objective, batch, accelerator) -> None:
+    """The padding-free layout chosen for the trained model, checked on the frozen models the objective runs in it
+    (:func:`hfacc.setup.layout_check.check_padding_free`, forward only, and as long a row as training lays out); where
+    one of them does not compute it as it computes padded batches, every micro-batch stays padded, said at WARNING."""
+    for companion in objective.companion_models():
+        problem = check_padding_free(companion, batch, setup.one_row, gradient=False)  # frozen: no backward
+        if problem is None and setup.max_row_length > CHECK_TOKENS:
+            length, why = check_row_offsets(companion, batch, setup.max_row_length)
+            problem = why if length < setup.max_row_length else None
+        if not all_ranks_agree(problem is None, accelerator):
+            setup.padding_free = False
+            logger.warning(
+                "hfacc: padded micro-batches, as collated: the objective's %s does not take the padding-free layout "
+                "(%s). Set padding_free=False to skip the check.",
+                type(get_base_model(companion)).__name__,
+                problem or "not on another rank",
+            )
+            return
 
 
 def _warn_about_router_loss(model: nn.Module) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..objectives import CausalLMObjective, Objective
+from ..objectives.base import with_statistics
 from ..ops.loss import LossSums, WindowCounts, normalize_window_loss
 from ..runtime.distributed import fsdp2_no_sync, get_gradient_scale, is_fsdp2
 from .window import count_window
@@ -100,7 +101,8 @@ def accumulation_window(
     """Yield the micro-batches of one window, each knowing the window's global target count.
 
     Counting happens up front, with one all-reduce over the ranks, because every micro-batch's loss is divided by
-    the window's total before its backward.
+    the window's total before its backward; so do the objective's statistics of the whole window, where its loss
+    reads one (:meth:`hfacc.Objective.window_statistics`: KTO's reference point), carried in each ``mb.batch``.
 
     Args:
         accelerator: the ``accelerate.Accelerator`` of the loop.
@@ -121,5 +123,9 @@ def accumulation_window(
             return torch.stack([n, (n > 0).long()])
 
     window = count_window(count, batches, accelerator, size=size)
+    # A statistic of the whole window the objective's loss reads (KTO's reference point), before the first backward;
+    # each micro-batch carries it in its batch.
+    statistics = own.window_statistics(model, batches, accelerator) if own is not None else {}
     for i, batch in enumerate(batches):
+        batch = with_statistics(batch, statistics)
         yield MicroBatch(batch, i, window, i == len(batches) - 1, accelerator, model, normalization, own)

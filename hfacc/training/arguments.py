@@ -95,6 +95,15 @@ class TokenWeightedArguments(TrainingArguments):
             "Without it such a run is refused (it would mix with them: resuming could continue theirs)."
         },
     )
+    auto_resume_from_checkpoints: bool = field(
+        default=False,
+        metadata={
+            "help": "For jobs a scheduler requeues with the same command (SLURM, spot instances): with no "
+            "resume_from_checkpoint given, resume from the newest complete checkpoint of this run in output_dir "
+            "if there is one, else start afresh; which one is said. Another run's checkpoints are never taken "
+            "(such a directory is refused). Axolotl's name."
+        },
+    )
     audit_every_n_steps: int = field(
         default=0,
         metadata={
@@ -133,6 +142,11 @@ def validate_settings(args: TokenWeightedArguments) -> None:
         raise ValueError("audit_every_n_steps must be >= 0 (0 turns the audit off).")
     if args.audit_tolerance < 0:
         raise ValueError("audit_tolerance must be >= 0 (0 derives it from the training precision).")
+    if args.auto_resume_from_checkpoints and args.overwrite_output_dir:
+        raise ValueError(
+            "auto_resume_from_checkpoints and overwrite_output_dir: a requeued run would delete its own checkpoints "
+            "each time it starts; drop overwrite_output_dir (or choose a new output_dir to start afresh)."
+        )
     if args.max_skipped_steps < 0:
         raise ValueError("max_skipped_steps must be >= 0 (0 never stops training).")
     if args.learning_rate < 0:
@@ -158,6 +172,18 @@ def as_token_weighted_arguments(args: TrainingArguments | None) -> TokenWeighted
         return TokenWeightedArguments(output_dir="tmp_trainer")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
     return _with_hfacc_settings(type(args))(**values)
+
+
+def convert_arguments(args: TrainingArguments | None, cls: type[TokenWeightedArguments]):
+    """``args`` as an online trainer's arguments class ``cls`` (:class:`hfacc.GRPOArguments`,
+    :class:`hfacc.DistillationArguments`): itself, or converted once, every field the user set kept and ``cls``'s
+    defaults for the rest (``None``: stock's ``output_dir="tmp_trainer"``)."""
+    if isinstance(args, cls):
+        return args
+    if args is None:
+        return cls(output_dir="tmp_trainer")
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and f.name in names})
 
 
 @functools.cache

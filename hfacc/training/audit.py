@@ -8,6 +8,7 @@ import math
 import torch
 from transformers import TrainerCallback
 
+from ..ops.precision import get_compute_dtype as get_model_compute_dtype
 from ..runtime.distributed import get_gradient_scale
 from .window import compute_micro_batch_loss
 
@@ -31,12 +32,10 @@ def get_audit_tolerance(dtype: torch.dtype) -> float:
 
 
 def get_compute_dtype(trainer) -> torch.dtype:
-    """The precision the trainer's arithmetic runs in: the autocast dtype of mixed precision, else the weights'."""
-    mixed = getattr(trainer.accelerator, "mixed_precision", "no")
-    if mixed in ("bf16", "fp16"):
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed]
-    dtypes = [p.dtype for p in trainer.model.parameters() if p.is_floating_point() and p.requires_grad]
-    return min(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
+    """The precision the trainer's arithmetic runs in (:func:`hfacc.ops.precision.get_compute_dtype` of its model):
+    accelerate's autocast where it wraps the forward (``bf16=True``; ``fp16=True`` autocasts on GPUs only), else the
+    dtype most weights are stored in (a bf16 model with fp32 LoRA adapters computes in bf16)."""
+    return get_model_compute_dtype(trainer.model)
 
 
 class AccumulationAuditCallback(TrainerCallback):
@@ -111,7 +110,13 @@ def audit_window(trainer) -> float:
             )
             for piece in pieces:
                 loss, _, _ = compute_micro_batch_loss(
-                    trainer.objective, model, piece, window, normalization=normalization, world_size=scale
+                    trainer.objective,
+                    model,
+                    piece,
+                    window,
+                    normalization=normalization,
+                    world_size=scale,
+                    statistics=trainer.window.statistics,  # the window's, as training read them
                 )
                 loss.backward()
         if accelerator.num_processes > 1:

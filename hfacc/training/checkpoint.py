@@ -276,9 +276,10 @@ def resolve_checkpoint(
         if found is None:
             others = [p.name for _, p in list_checkpoints(output_dir) if run and _other_run(p, run)]
             if others:
+                saved = _saved_run(Path(output_dir) / others[0]) or {}
                 raise ConfigError(
                     f"resume_from_checkpoint: no checkpoint of this run in {output_dir}; {_names(others)} were "
-                    f"saved by another run ({_other_run(Path(output_dir) / others[0], run)}). To continue that run, "
+                    f"saved by another run ({describe_run_difference(saved, run)}). To continue that run, "
                     "resume with its settings or name its checkpoint; to start afresh, choose a new --output_dir or "
                     "pass --overwrite_output_dir true."
                 )
@@ -425,10 +426,44 @@ def write_run_record(output_dir: str | Path, run: Mapping[str, Any], stock_check
         ) from err
 
 
+def get_auto_resume_checkpoint(output_dir: str | Path, run: Mapping[str, Any]) -> str | None:
+    """``auto_resume_from_checkpoints``: the newest complete checkpoint of this run (settings ``run``) in
+    ``output_dir``, or None to start afresh; which of the two is said at WARNING level, once per process.
+
+    Another run's checkpoints are never taken: with none of this run's beside them, the new run is refused as any
+    run into their directory is (:func:`check_output_dir`). Incomplete checkpoints are skipped, and named.
+    """
+    found = get_last_complete_checkpoint(output_dir, run)
+    said = (str(output_dir), found)
+    if said not in _said_auto:  # once: the recipe prepares the run before the trainer does
+        _said_auto.add(said)
+        if found is not None:
+            logger.warning(
+                "hfacc: auto_resume_from_checkpoints: resuming from %s (step %s), the newest complete checkpoint of "
+                "this run in %s.",
+                found,
+                get_checkpoint_step(found),
+                output_dir,
+            )
+        else:
+            logger.warning(
+                "hfacc: auto_resume_from_checkpoints: no complete checkpoint of this run in %s: starting afresh.",
+                output_dir,
+            )
+    return found
+
+
+_said_auto: set[tuple[str, str | None]] = set()
+
+
 def prepare_run(args, run: Mapping[str, Any], resume_from_checkpoint, model=None) -> str | None:
     """What is checked before a run trains, on every rank (the main process writes): the checkpoint to resume
-    (:func:`resolve_checkpoint`) and its weights against ``model``, the output directory (:func:`check_output_dir`),
-    and the run record (:func:`write_run_record`). Returns the checkpoint to resume from, or None."""
+    (:func:`resolve_checkpoint`; none named and ``args.auto_resume_from_checkpoints``: this run's newest complete
+    one, if any, :func:`get_auto_resume_checkpoint`) and its weights against ``model``, the output directory
+    (:func:`check_output_dir`), and the run record (:func:`write_run_record`). Returns the checkpoint to resume
+    from, or None."""
+    if resume_from_checkpoint in (None, False, "") and args.auto_resume_from_checkpoints:
+        resume_from_checkpoint = get_auto_resume_checkpoint(args.output_dir, run)
     checkpoint = resolve_checkpoint(resume_from_checkpoint, args.output_dir, run)
     check_output_dir(
         args.output_dir, run, checkpoint is not None, overwrite=args.overwrite_output_dir, main=args.should_save
@@ -614,6 +649,7 @@ __all__ = [
     "check_output_dir",
     "checkpoint_problem",
     "complete_checkpoint",
+    "get_auto_resume_checkpoint",
     "get_last_complete_checkpoint",
     "get_run_settings",
     "mark_checkpoint_complete",

@@ -30,7 +30,6 @@ log-probs of the samples are taken right after sampling: their difference from t
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -43,6 +42,7 @@ from transformers import TrainingArguments
 
 from ..data.collator import DataCollatorForCausalLM
 from ..generation.engine import GenerationEngine
+from ..generation.rewards import get_reward_function
 from ..generation.rollout import SCALE_REWARDS, Rollout, SamplingSettings, build_rollout, get_reward_name
 from ..generation.vllm_engine import VLLMArguments, build_generation_engine, check_vllm_settings
 from ..objectives.policy_gradient import (
@@ -55,7 +55,7 @@ from ..objectives.policy_gradient import (
 from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
 from ..ops.loss import IGNORE_INDEX, shift_labels
 from ..runtime.config import ConfigError
-from .arguments import TokenWeightedArguments
+from .arguments import TokenWeightedArguments, convert_arguments
 from .trainer import TokenWeightedTrainer
 
 logger = logging.getLogger(__name__)
@@ -226,14 +226,7 @@ def check_reward_weights(weights: Sequence[float] | None, funcs: Sequence[Callab
 
 def as_grpo_arguments(args: TrainingArguments | None) -> GRPOArguments:
     """``args`` as :class:`GRPOArguments`: itself, or converted once (every field the user set is kept)."""
-    if isinstance(args, GRPOArguments):
-        return args
-    if args is None:
-        return GRPOArguments(output_dir="tmp_trainer")
-    names = {f.name for f in dataclasses.fields(GRPOArguments) if f.init}
-    return GRPOArguments(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and f.name in names}
-    )
+    return convert_arguments(args, GRPOArguments)
 
 
 class GRPOTrainer(TokenWeightedTrainer):
@@ -243,11 +236,15 @@ class GRPOTrainer(TokenWeightedTrainer):
         model: the policy, a causal LM (its ``generate`` samples the completions).
         reward_funcs: a function ``f(prompts, completions, **columns) -> list[float]`` or a list of them; ``columns``
             are the prompts dataset's other columns, one entry per completion. Chat prompts get completions as
-            ``[{"role": "assistant", "content": text}]`` (as in TRL).
+            ``[{"role": "assistant", "content": text}]`` (as in TRL). A reward model (a sequence-classification model
+            with ``num_labels=1``, or the path of one) scores prompt + completion through its own tokenizer, as in TRL
+            (:class:`hfacc.generation.rewards.RewardModelFunction`).
         args: :class:`GRPOArguments` (a plain ``TrainingArguments`` is converted, with GRPO's defaults).
         train_dataset: prompts: a ``"prompt"`` column of text or chat messages, plus any columns the rewards read.
         processing_class: the tokenizer (chat template, EOS and pad token).
         ref_model: the reference for ``beta > 0`` (None: a frozen copy as training starts, or a PEFT policy's base).
+        reward_processing_classes: the tokenizer of each reward model among ``reward_funcs`` (one, or a list with
+            one entry per reward function, None for functions); None: each model's own, saved with it (TRL's name).
         engine: the :class:`hfacc.generation.engine.GenerationEngine` to sample with (None: the one ``args`` asks
             for, built at the first generation: the policy's ``generate``, or vLLM with ``use_vllm=True``). An
             engine given gets this policy's weights at the first generation.
@@ -272,6 +269,7 @@ class GRPOTrainer(TokenWeightedTrainer):
         processing_class=None,
         ref_model: nn.Module | None = None,
         callbacks=None,
+        reward_processing_classes=None,
         optimizers=(None, None),
         engine: GenerationEngine | None = None,
         **kwargs,
@@ -285,6 +283,13 @@ class GRPOTrainer(TokenWeightedTrainer):
                 "reports their reward and exact match) and pass no eval_dataset."
             )
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        tokenizers = reward_processing_classes
+        if not isinstance(tokenizers, (list, tuple)):
+            tokenizers = [tokenizers] * len(funcs)
+        if len(tokenizers) != len(funcs):
+            raise ValueError(f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward_funcs.")
+        # Reward models (objects or paths) become functions that score through their own tokenizer (TRL's rule).
+        funcs = [get_reward_function(f, t, args.device) for f, t in zip(funcs, tokenizers, strict=True)]
         if not funcs or not all(callable(f) for f in funcs):
             raise ValueError("reward_funcs must be a function f(prompts, completions, **columns) or a list of them.")
         check_reward_weights(args.reward_weights, funcs)

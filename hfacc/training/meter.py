@@ -2,7 +2,9 @@
 
 What is logged is the objective's (:meth:`hfacc.Objective.metric_sums`: sums such as ``[loss sum, targets,
 correct]``; :meth:`hfacc.Objective.metric_logs`: the means they give). The meter only adds the sums up — per
-logging interval, per run, per evaluation — on device until a log needs them, and over all ranks when it does.
+logging interval, per run, per evaluation — on device until a log needs them, and over all ranks when it does
+(a column of extremes, such as a reward model's ``min_reward``, by its minimum or maximum instead:
+:meth:`hfacc.Objective.reduce_metrics`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..objectives import Objective
 from ..ops.loss import sums_per_row
 from ..runtime.distributed import count_real_rows, num_rows, reduce_sum, take_rows
 
@@ -27,6 +30,7 @@ class LossMeter:
         # float64: sums over thousands of micro-batches must not lose the fp32 digits that make the log exact.
         self.dtype = torch.float32 if torch.device(device).type == "mps" else torch.float64
         self.device = device
+        self.reduce = _sum_rows  # how rows of logged sums combine: the objective's (Objective.reduce_metrics)
         self.reset_run()
         self.reset_eval()
 
@@ -43,10 +47,22 @@ class LossMeter:
         if window.staged is None:  # no micro-batch ran on this rank
             return
         staged = window.staged.to(self.dtype)
-        self.interval = staged.clone() if self.interval is None else self.interval + staged
-        self.run = staged.clone() if self.run is None else self.run + staged
+        self.interval = staged.clone() if self.interval is None else self.combine(self.interval, staged)
+        self.run = staged.clone() if self.run is None else self.combine(self.run, staged)
         self.interval_targets += window.num_targets
         self.run_targets += window.num_targets
+
+    def combine(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Two rows of summed metric sums as one."""
+        return self.reduce(torch.stack([a, b]))
+
+    def over_ranks(self, values: torch.Tensor, accelerator) -> torch.Tensor:
+        """``values`` combined over all ranks (each rank's own row; summed unless a column is an extreme)."""
+        if accelerator.num_processes == 1:
+            return values
+        if self.reduce is _sum_rows or getattr(self.reduce, "__func__", None) is Objective.reduce_metrics:
+            return reduce_sum(values, accelerator)  # plain sums: one all-reduce
+        return self.reduce(accelerator.gather(values[None]))
 
     def exclude_time(self, seconds: float) -> None:
         """Leave ``seconds`` of other work (an online trainer's generation) out of the interval's training rate."""
@@ -79,7 +95,7 @@ class LossMeter:
         # No loss when no window reached the weights (every step skipped, or nothing trained): not a NaN to plot.
         if sums is None or objective is None:
             return {f"{prefix}num_targets": 0}
-        return objective.metric_logs(reduce_sum(sums, accelerator).tolist(), prefix)
+        return objective.metric_logs(self.over_ranks(sums, accelerator).tolist(), prefix)
 
     def reset_eval(self) -> None:
         self.eval = None  # summed metric_sums of all ranks (per-sequence sums, gathered without repeats)
@@ -91,11 +107,12 @@ class LossMeter:
         if accelerator.num_processes > 1:
             # gather_for_metrics drops the samples the sampler repeated to even out the last batch across ranks.
             values = accelerator.gather_for_metrics(values)
-        total = values.reshape(-1, values.shape[-1]).sum(0)
-        self.eval = total if self.eval is None else self.eval + total
+        total = self.reduce(values.reshape(-1, values.shape[-1]))
+        self.eval = total if self.eval is None else self.combine(self.eval, total)
 
     def add_evaluation_batch(self, objective, model, inputs, packed: bool, accelerator) -> tuple[Any, Any]:
         """Run one evaluation batch; add its sums, without the examples accelerate repeated, to the eval totals."""
+        self.reduce = objective.reduce_metrics
         if objective.sums_per_sequence:
             outputs, sums = objective(model, inputs, per_sequence=True)
             values = objective.metric_sums(sums)
@@ -115,16 +132,20 @@ class LossMeter:
 
     def add_eval_local(self, values: torch.Tensor) -> None:
         """Metric sums of this rank's real examples only (objectives without per-sequence sums)."""
-        values = values.to(self.dtype).reshape(-1, values.shape[-1]).sum(0)
-        self.eval_local = values if self.eval_local is None else self.eval_local + values
+        values = self.reduce(values.to(self.dtype).reshape(-1, values.shape[-1]))
+        self.eval_local = values if self.eval_local is None else self.combine(self.eval_local, values)
 
     def eval_totals(self, accelerator=None) -> list[float] | None:
         """The evaluation's summed metric sums (all ranks), for :meth:`hfacc.Objective.metric_logs`; None if none."""
         local = self.eval_local
         if local is not None and accelerator is not None:
-            local = reduce_sum(local, accelerator)
+            local = self.over_ranks(local, accelerator)
         if self.eval is None and local is None:
             return None
         if self.eval is None:
             return local.tolist()
-        return (self.eval if local is None else self.eval + local).tolist()
+        return (self.eval if local is None else self.combine(self.eval, local)).tolist()
+
+
+def _sum_rows(values: torch.Tensor) -> torch.Tensor:
+    return values.sum(0)

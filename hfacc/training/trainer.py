@@ -3,8 +3,10 @@
 How it differs from the stock Trainer, hook by hook:
 
 - ``get_batch_samples`` (once per optimizer step) opens the step's :class:`~hfacc.training.window.Window`: its targets
-  counted with the objective and summed over all ranks in one collective. Stock Trainer counts only when the
-  model's forward takes ``**kwargs`` and only sums over ranks when ``average_tokens_across_devices``.
+  counted with the objective and summed over all ranks in one collective, and the objective's statistics of the whole
+  step taken (:meth:`hfacc.Objective.window_statistics`: KTO's reference point; none for most objectives). Stock
+  Trainer counts only when the model's forward takes ``**kwargs`` and only sums over ranks when
+  ``average_tokens_across_devices``.
 - ``compute_loss`` takes the window's next micro-batch, runs the model *without* labels and computes the loss
   itself, ``S_j / N_window * P`` (:func:`hfacc.ops.loss.normalize_window_loss`). Stock Trainer relies on the model to
   consume ``num_items_in_batch``; custom models, heads that ignore it and ``**kwargs`` that drop it all go wrong.
@@ -146,6 +148,11 @@ class TokenWeightedTrainer(Trainer):
             )
         self.step_gate = StepGate(self)  # audit -> no target -> not finite -> commit, before every optimizer step
         self.add_callback(self.step_gate)
+        if self.objective is not None:  # what the objective reads of every row, checked before any is collated
+            self.objective.check_data(self.train_dataset, "the training data")
+            evaluation = self.eval_dataset if isinstance(self.eval_dataset, dict) else {"": self.eval_dataset}
+            for name, dataset in evaluation.items():
+                self.objective.check_data(dataset, f"the evaluation data {name}".strip())
 
     # ---- data: micro-batches to a token budget ----------------------------------------------------------------
     def get_train_dataloader(self) -> DataLoader:
@@ -239,7 +246,24 @@ class TokenWeightedTrainer(Trainer):
         objective = self.objective
         units = len(objective.units) if objective is not None else 2
         counts = count_window(objective.count if objective else None, batches, self.accelerator, device, units)
-        return Window(batches, counts, len(batch_samples), repeated=frozenset(repeated), dtype=self.meter.dtype)
+        window = Window(batches, counts, len(batch_samples), repeated=frozenset(repeated), dtype=self.meter.dtype)
+        if objective is not None:
+            window.reduce = self.meter.reduce = objective.reduce_metrics
+            # A statistic of the whole step (KTO's reference point), over every micro-batch and rank, before the first
+            # backward; micro-batches of repeated examples run too (a sharded model's forwards are collectives).
+            prepared = [self._prepare_inputs(b) for b in batch_samples]
+            with self.compute_loss_context_manager():
+                window.statistics = objective.window_statistics(
+                    self.model_wrapped, prepared, self.accelerator, layout=self._layout, repeated=repeated
+                )
+        return window
+
+    def _layout(self, batch: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``batch`` laid out as training lays out its micro-batches (padding-free where the setup decided so)."""
+        if not self.padding_free:
+            return batch
+        setup = self.model_setup
+        return remove_padding(batch, setup.one_row, setup.max_row_length, keep=self.objective.row_keys) or batch
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # Replaces the stock count (and its cross-rank gather) wherever the Trainer asks for it, e.g. in
@@ -318,7 +342,13 @@ class TokenWeightedTrainer(Trainer):
             world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
             with padded_neftune_noise(model, padded, inputs):  # NEFTune: stock's noise for the padded batch
                 loss, outputs, sums = compute_micro_batch_loss(
-                    objective, model, inputs, window.counts, normalization=self.args.normalization, world_size=world
+                    objective,
+                    model,
+                    inputs,
+                    window.counts,
+                    normalization=self.args.normalization,
+                    world_size=world,
+                    statistics=window.statistics,
                 )
             if repeated:  # only examples accelerate repeated: run for the all-reduce, contribute nothing
                 loss, sums = loss * 0, objective.zero_sums(sums)
@@ -376,7 +406,9 @@ class TokenWeightedTrainer(Trainer):
 
         ``resume_from_checkpoint=True`` (or ``"last"``) takes the newest *complete* checkpoint of this run (same
         settings, :func:`hfacc.training.checkpoint.get_run_settings`); a new run into a directory holding another run's
-        checkpoints is refused (``overwrite_output_dir`` deletes them). Resuming a finished run trains nothing.
+        checkpoints is refused (``overwrite_output_dir`` deletes them). Resuming a finished run trains nothing. With
+        ``args.auto_resume_from_checkpoints`` and no checkpoint given, a requeued job resumes from this run's newest
+        complete checkpoint if there is one, else starts afresh (and says which).
         """
         streaming = isinstance(self.train_dataset, SFTStream)
         self._run_settings = get_run_settings(self.args, streaming)

@@ -4,14 +4,14 @@ The life of a window, in the Trainer (:class:`hfacc.TokenWeightedTrainer`):
 
 1. ``get_batch_samples`` draws the window's k micro-batches and opens a :class:`Window`: their targets are counted
    (:func:`count_window`, one collective over the ranks) before the first forward, because every micro-batch's loss
-   is divided by that total before its backward.
+   is divided by that total before its backward; and the objective's statistics of the whole window, if its loss
+   reads one (:meth:`hfacc.Objective.window_statistics`: KTO's reference point), are taken then too.
 2. ``compute_loss`` takes the micro-batches in order (:meth:`Window.take`), backpropagates each one's share of the
    window loss (:func:`compute_micro_batch_loss`) and stages its loss sums on the window (:meth:`Window.stage`).
 3. Before the optimizer step, the step gate (:class:`hfacc.training.step_gate.StepGate`) audits, checks and then
-  commits the
-   staged sums to the logged metrics, or drops the window.
+   commits the staged sums to the logged metrics, or drops the window.
 
-A hand-written loop does steps 1 and 2 with :func:`hfacc.accumulation_window`; ``hfacc verify`` with the same two
+A hand-written loop does steps 1 and 2 with :func:`hfacc.accumulation_window`; ``hfacc verify`` with the same
 functions.
 """
 
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..objectives import Objective
+from ..objectives.base import with_statistics
 from ..ops.loss import WindowCounts
 from ..ops.model_io import get_aux_loss
 
@@ -44,6 +45,9 @@ class Window:
         losses: each micro-batch's loss sum, to name the one that was not finite.
         dtype: of the staged sums (float64, so that the log keeps every fp32 digit; float32 where a device has no
             float64).
+        statistics: the objective's statistics of the whole window (:meth:`hfacc.Objective.window_statistics`),
+            which every micro-batch's loss reads; empty for most objectives.
+        reduce: how rows of logged sums combine (:meth:`hfacc.Objective.reduce_metrics`; a sum by default).
     """
 
     batches: list[Mapping[str, Any]]
@@ -54,6 +58,8 @@ class Window:
     dtype: torch.dtype = torch.float64
     losses: list[torch.Tensor] = field(default_factory=list)
     taken: int = 0
+    statistics: dict[str, Any] = field(default_factory=dict)
+    reduce: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda values: values.sum(0))
 
     @property
     def num_targets(self) -> int:
@@ -73,9 +79,9 @@ class Window:
     def stage(self, values: torch.Tensor) -> None:
         """Keep a micro-batch's logged sums (:meth:`hfacc.Objective.metric_sums`, entry 0 its loss sum) until the
         step gate commits or drops the window."""
-        values = values.reshape(-1, values.shape[-1]).sum(0).to(self.dtype)
+        values = self.reduce(values.reshape(-1, values.shape[-1]).to(self.dtype))
         self.losses.append(values[0])
-        self.staged = values if self.staged is None else self.staged + values
+        self.staged = values if self.staged is None else self.reduce(torch.stack([self.staged, values]))
 
 
 def count_window(
@@ -109,14 +115,17 @@ def compute_micro_batch_loss(
     *,
     normalization: str = "token",
     world_size: int = 1,
+    statistics: Mapping[str, Any] | None = None,
 ):
     """Run one micro-batch and return ``(loss to backpropagate, outputs, sums)``: what training does, in one place.
 
-    The loss is the micro-batch's share of the window loss (:meth:`hfacc.Objective.loss`), plus, for
+    ``statistics`` are the window's (:meth:`hfacc.Objective.window_statistics`), carried in the batch the objective
+    reads. The loss is the micro-batch's share of the window loss (:meth:`hfacc.Objective.loss`), plus, for
     mixture-of-experts models that return a router ``aux_loss``, ``router_aux_loss_coef * aux_loss / k``: that
     auxiliary loss is a statistic of each micro-batch's own routing, so it can only be averaged over micro-batches
     (``hfacc verify`` reports it as a split-dependent term).
     """
+    batch = with_statistics(batch, statistics)
     outputs, sums = objective(model, batch, per_sequence=normalization == "sequence")
     loss = objective.loss(sums, window, normalization=normalization, world_size=world_size)
     aux = get_aux_loss(model, outputs)

@@ -4,7 +4,8 @@ It takes one window of real data, computes the gradient twice from the same para
 exactly as training does it, and as one forward/backward of the whole window — and compares them. Then it names
 what breaks equivalence and why: batch-statistics layers, randomness (dropout), auxiliary losses computed per
 micro-batch, a loss that ignores ``num_items_in_batch`` (what stock ``transformers.Trainer`` would do with it), and
-the size of mixed-precision rounding.
+the size of mixed-precision rounding: in each mixed precision, the accumulation against the big batch computed in
+that precision, next to that precision's own noise floor (how far its rounding moves the big batch from fp32).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import nn
 from ..objectives import Objective
 from ..ops.loss import WindowCounts
 from ..ops.model_io import get_aux_loss, get_base_model
+from ..ops.precision import get_rounding_bound
 from ..runtime.distributed import get_gradient_scale
 from ..setup.model_setup import build_model_setup
 from ..training.arguments import TokenWeightedArguments
@@ -61,7 +63,10 @@ class VerifyArguments:
     )
     precisions: list[str] = field(
         default_factory=lambda: ["bf16"],
-        metadata={"help": "Mixed precisions whose rounding is measured against fp32 (informational): bf16, fp16."},
+        metadata={
+            "help": "Mixed precisions (autocast) the accumulation is also run in, against one big batch in the same "
+            "precision, next to that precision's noise floor (informational: PASS is the fp32 check): bf16, fp16."
+        },
     )
     num_worst: int = field(default=5, metadata={"help": "How many of the worst parameter tensors to list."})
     seed: int = field(default=0, metadata={"help": "Seed of the data sampling and of random ops."})
@@ -88,7 +93,8 @@ class VerifyReport:
     tolerance: float
     worst: list[tuple[str, float]]
     other_path_error: float | None
-    precision_errors: dict[str, float]
+    precision_errors: dict[str, float]  # precision -> accumulated vs one big batch, both in that autocast
+    noise_floors: dict[str, float]  # precision -> the big batch in that autocast vs in fp32
     findings: list[Finding]
     window: dict[str, Any]
     model: str
@@ -114,9 +120,15 @@ class VerifyReport:
         if self.other_path_error is not None:
             lines.append(f"for comparison, {other}: relative error {self.other_path_error:.2e}")
         for precision, err in self.precision_errors.items():
+            floor = self.noise_floors[precision]
+            verdict = (
+                f"exact up to {precision} rounding"
+                if self.within_rounding(precision)
+                else f"beyond {precision} rounding (over twice its noise floor)"
+            )
             lines.append(
-                f"{precision} autocast moves the accumulated gradient by {err:.2e} relative to fp32 "
-                "(rounding, not an accumulation error: a floor for any tolerance in that precision)"
+                f"{precision} autocast: accumulated vs one big batch, both in {precision}: relative error {err:.2e}; "
+                f"{precision}'s noise floor (its big batch vs fp32's) {floor:.2e}: {verdict}"
             )
         lines += ["", "checks:"]
         for f in self.findings:
@@ -129,6 +141,11 @@ class VerifyReport:
             f"{verdict}: relative error {self.error:.2e} {'<=' if self.passed else '>'} {self.tolerance:.0e}",
         ]
         return "\n".join(lines)
+
+    def within_rounding(self, precision: str) -> bool:
+        """Whether the accumulation error in ``precision`` is that precision's rounding
+        (:func:`hfacc.ops.precision.get_rounding_bound` of its noise floor)."""
+        return self.precision_errors[precision] <= get_rounding_bound(self.noise_floors[precision])
 
     def to_dict(self) -> dict[str, Any]:
         data = dict(self.__dict__)
@@ -210,6 +227,10 @@ def verify_accumulation(
     named = [(n, p) for n, p in get_base_model(model).named_parameters() if p.requires_grad]
 
     window = count_window(objective.count, micro_batches, accelerator, size=len(objective.units))
+    # A statistic of the whole window (KTO's reference point), as training takes it; what peers do instead is each
+    # micro-batch's own (the stock path passes none, so each micro-batch is its own window).
+    with torch.no_grad():
+        statistics = objective.window_statistics(wrapped, micro_batches, accelerator)
     scale = get_gradient_scale(accelerator.distributed_type, world)
 
     def accumulate(which: str, autocast: torch.dtype | None = None) -> torch.Tensor:
@@ -223,7 +244,13 @@ def verify_accumulation(
             with sync, amp:
                 if which == "hfacc":
                     loss, _, _ = compute_micro_batch_loss(
-                        objective, wrapped, batch, window, normalization=normalization, world_size=scale
+                        objective,
+                        wrapped,
+                        batch,
+                        window,
+                        normalization=normalization,
+                        world_size=scale,
+                        statistics=statistics,
                     )
                 elif objective.stock_normalization:  # what peers do with this loss (DPO: each micro-batch's mean / k)
                     loss, _, _ = compute_micro_batch_loss(
@@ -239,20 +266,22 @@ def verify_accumulation(
                 loss.backward()
         return flatten_grads(named)
 
-    def reference() -> torch.Tensor:
+    def reference(autocast: torch.dtype | None = None) -> torch.Tensor:
         clear_grads(named)
         torch.manual_seed(seed + 1)
         inner = get_base_model(model) if world > 1 else model
-        outputs, sums = reference_objective(inner, full_batch, per_sequence=normalization == "sequence")
-        if normalization == "micro_batch":
-            loss = _micro_batch_reference(
-                inner, reference_objective, examples, collate, micro_batch_size, accelerator.device
-            )
-        else:
-            units = tuple(reference_objective.count(full_batch).tolist())  # the big batch: one window, one rank
-            whole = WindowCounts(units[0], units[1], 1, units)
-            loss = reference_objective.loss(sums, whole, normalization=normalization)
-        aux = get_aux_loss(inner, outputs)  # the big batch's own router loss: what one big step would add
+        amp = torch.autocast(accelerator.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+        with amp:
+            outputs, sums = reference_objective(inner, full_batch, per_sequence=normalization == "sequence")
+            if normalization == "micro_batch":
+                loss = _micro_batch_reference(
+                    inner, reference_objective, examples, collate, micro_batch_size, accelerator.device
+                )
+            else:
+                units = tuple(reference_objective.count(full_batch).tolist())  # the big batch: one window, one rank
+                whole = WindowCounts(units[0], units[1], 1, units)
+                loss = reference_objective.loss(sums, whole, normalization=normalization)
+            aux = get_aux_loss(inner, outputs)  # the big batch's own router loss: what one big step would add
         (loss if aux is None else loss + aux).backward()
         return flatten_grads(named)
 
@@ -270,13 +299,18 @@ def verify_accumulation(
         if b.norm() > 0 or a.norm() > 0
     ]
     worst = sorted(per_tensor, key=lambda x: -x[1] if math.isfinite(x[1]) else -math.inf)[:num_worst]
-    precision_errors = {}
+    # Mixed precision: the accumulation against the big batch, both under the same autocast, next to that
+    # precision's own noise floor, how far its rounding moves the big batch's gradient from the fp32 one
+    # (hfacc.ops.precision.get_rounding_bound).
+    precision_errors, noise_floors = {}, {}
     for precision in precisions:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
         try:
-            precision_errors[precision] = relative_error(accumulate(path, autocast=dtype), main)
+            accumulated, big = accumulate(path, autocast=dtype), reference(autocast=dtype)
         except RuntimeError:  # e.g. fp16 autocast unsupported on this device
             continue
+        precision_errors[precision] = relative_error(accumulated, big)
+        noise_floors[precision] = relative_error(big, ref)
     clear_grads(named)
     findings = diagnose(model, objective, micro_batches[0], path, normalization, window, micro_batches)
     report = VerifyReport(
@@ -287,6 +321,7 @@ def verify_accumulation(
         worst=worst,
         other_path_error=other_error,
         precision_errors=precision_errors,
+        noise_floors=noise_floors,
         findings=findings,
         window={
             "micro_batch_size": micro_batch_size,
@@ -331,6 +366,39 @@ def _micro_batch_reference(model, objective, examples, collate, size, device):
 
 def _to(batch, device):
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+# ---- distillation: the user's student and teacher, through verify_accumulation ---------------------------------
+@dataclass
+class DistillVerifyArguments:
+    """Settings of ``hfacc verify --objective distill`` (the names of ``hfacc distill``)."""
+
+    teacher_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "--objective distill: the teacher (None with the embedded student: a bigger embedded one)."},
+    )
+    beta: float = field(default=1.0, metadata={"help": "--objective distill: 0 forward KL, 1 reverse KL, else JSD."})
+    temperature: float = field(default=1.0, metadata={"help": "--objective distill: both logits / temperature."})
+    ce_weight: float = field(default=0.0, metadata={"help": "--objective distill: weight of the CE term."})
+
+
+def build_verify_distillation(distill_args: DistillVerifyArguments, model_args, tokenizer, seed: int = 0):
+    """The :class:`hfacc.DistillationObjective` ``hfacc verify --objective distill`` checks: the teacher named, or
+    for the embedded student a bigger embedded teacher (random: verify checks the accumulation, not the teacher)."""
+    from ..objectives.distillation import DistillationObjective
+    from ..runtime.config import ConfigError
+
+    teacher = distill_args.teacher_model_name_or_path
+    if teacher is None:
+        if model_args.model_name_or_path is not None:
+            raise ConfigError("--objective distill: name the teacher with --teacher_model_name_or_path.")
+        from ..data.embedded import build_default_model
+
+        teacher = build_default_model(tokenizer, hidden_size=2 * model_args.embedded_hidden_size, seed=seed + 1)
+    return DistillationObjective(
+        teacher, beta=distill_args.beta, temperature=distill_args.temperature, ce_weight=distill_args.ce_weight,
+        vocab_size=len(getattr(tokenizer, "tokenizer", tokenizer)),
+    )  # fmt: skip
 
 
 # ---- policy gradients: a fixed rollout of the model, split over micro-batches, ranks and optimizer steps ----------
@@ -570,6 +638,8 @@ def verify_policy_gradient(
 
 __all__ = [
     "VerifyArguments",
+    "DistillVerifyArguments",
+    "build_verify_distillation",
     "VerifyReport",
     "PolicyGradientVerifyReport",
     "verify_policy_gradient",

@@ -1,0 +1,158 @@
+"""A reward model's scores: a sequence-classification model's output at each sequence's own last real token.
+
+transformers' sequence-classification heads of decoder models (``GenericForSequenceClassification``: Llama, Qwen,
+Mistral, Gemma, ...; GPT-2 and others alike) compute ``score(hidden)`` at *every* position, then keep one per row:
+the one at the row's rightmost token that is not ``pad_token_id``. hfacc reads the head's per-position output itself
+(a forward hook on ``score``; the forward still runs through every wrapper: DDP, DeepSpeed, PEFT) and takes each
+sequence's value at its own last real token:
+
+- in a padded batch, the last position of each row whose ``attention_mask`` is 1 (right or left padding);
+- in a padding-free layout (:func:`hfacc.data.padding_free.remove_padding`), where a row holds several sequences and
+  the model's own pooling would give one score per row, the last position of each sequence (``sequence_ids``).
+
+So both layouts read the same token, and a pad token equal to EOS (TRL's default) does not move it: the model's own
+pooling would read the token before a final EOS. A model without a per-position ``score`` head (an encoder whose
+classifier reads a pooled first token) is read through its own pooled output, padded only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .model_io import forward_inputs, get_base_model, get_logits
+
+
+def get_score_head(model: nn.Module) -> nn.Module | None:
+    """The module that scores every position (``score``) of a sequence-classification model, or None."""
+    head = getattr(get_base_model(model), "score", None)
+    return head if isinstance(head, nn.Module) else None
+
+
+def get_last_token_index(batch: Mapping[str, Any], shape: torch.Size) -> torch.Tensor:
+    """The flat index (into ``[rows * T]``) of each sequence's last real token, in sequence order: ``[n]``.
+
+    A padding-free layout says which sequence each position holds (``sequence_ids``, -1 in the filler); a padded
+    batch, which positions are real (``attention_mask``); without either every row is one unpadded sequence.
+
+    >>> get_last_token_index({"attention_mask": torch.tensor([[1, 1, 0], [0, 1, 1]])}, torch.Size([2, 3]))
+    tensor([1, 5])
+    >>> get_last_token_index({"sequence_ids": torch.tensor([[0, 0, 1, 1, 1, -1]]), "num_sequences": 2},
+    ...                      torch.Size([1, 6]))
+    tensor([1, 4])
+    """
+    rows, width = shape[0], shape[1]
+    owner = batch.get("sequence_ids")
+    if owner is not None:
+        owner = owner.expand(shape).flatten()
+        real = owner >= 0
+        positions = torch.arange(owner.numel(), device=owner.device)
+        last = torch.full((int(batch["num_sequences"]),), -1, dtype=torch.long, device=owner.device)
+        return last.scatter_reduce(0, owner[real], positions[real], reduce="amax")
+    mask = batch.get("attention_mask")
+    if torch.is_tensor(mask) and mask.dim() == 2:
+        columns = torch.arange(width, device=mask.device)
+        last = (mask.bool() * (columns + 1)).argmax(-1)  # the rightmost real position of each row
+        return torch.arange(rows, device=mask.device) * width + last
+    device = next((v.device for v in batch.values() if torch.is_tensor(v)), None)
+    return torch.arange(rows, device=device) * width + width - 1
+
+
+def get_sequence_scores(
+    model: nn.Module, batch: Mapping[str, Any], inputs: Mapping[str, Any] | None = None
+) -> tuple[Any, torch.Tensor]:
+    """Run ``model`` on ``inputs`` (default: ``batch``'s model inputs); return its outputs and the score of each of
+    ``batch``'s sequences ``[n]`` (fp32, differentiable), read at its own last real token (see the module doc).
+
+    ``inputs`` default to :func:`hfacc.ops.model_io.forward_inputs` (no cache for packed rows). The model must give
+    one value per position and sequence (``num_labels=1``). Without a per-position head, the
+    model's own pooled output is returned, which a padding-free layout cannot have (a ``ValueError`` then).
+    """
+    inputs = forward_inputs(batch) if inputs is None else inputs
+    head, captured = get_score_head(model), []
+
+    def keep(module, args, output):  # the head's output at every position, before the model pools one per row
+        captured.append(output)
+
+    handle = head.register_forward_hook(keep) if head is not None else None
+    try:
+        outputs = model(**inputs)
+    finally:
+        if handle is not None:
+            handle.remove()
+    shape = batch["input_ids"].shape if torch.is_tensor(batch.get("input_ids")) else None
+    if captured and shape is not None and tuple(captured[-1].shape[:2]) == tuple(shape[:2]):
+        per_position = captured[-1][..., 0].float()
+        return outputs, per_position.flatten()[get_last_token_index(batch, shape)]
+    if batch.get("sequence_ids") is not None:
+        raise ValueError(
+            f"{type(get_base_model(model)).__name__} gives no score per position (no per-position 'score' head), so "
+            "the sequences of a padding-free row cannot be scored apart: train it padded (padding_free=False)."
+        )
+    return outputs, get_logits(outputs)[:, 0].float()
+
+
+def reward_model_problem(model: nn.Module) -> str | None:
+    """Why ``model`` is no reward model hfacc can train or score with (None: it is): one output per sequence
+    (``num_labels=1``) and a ``pad_token_id`` in its config (its own pooling runs on padded batches)."""
+    base = get_base_model(model)
+    config = getattr(base, "config", None)
+    labels = getattr(config, "num_labels", None)
+    if labels != 1:
+        return (
+            f"{type(base).__name__} has num_labels={labels}, but a reward model gives one score per sequence: load it "
+            "with num_labels=1 (AutoModelForSequenceClassification.from_pretrained(path, num_labels=1))"
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "pad_token_id", None) is None:
+        return (
+            f"{type(base).__name__}'s config has no pad_token_id, which its own pooling needs for batches of several "
+            "sequences: set model.config.pad_token_id = tokenizer.pad_token_id (hfacc reads each score at the "
+            "sequence's last real token by the attention mask; the pad token does not move it)"
+        )
+    return None
+
+
+class PerPositionScores(nn.Module):
+    """A reward model as hfacc's layout checks run it: the head's score at every position as ``logits``
+    ``[rows, T, 1]``, from the base model's final hidden states (:mod:`hfacc.setup.layout_check`: padded vs
+    padding-free, leaks between packed sequences, far row offsets).
+
+    The checks run the model apart from training (no data-parallel wrapper, gradients only to the input embeddings),
+    so the backbone and the head are called directly: what the head reads at every position is what the layout can
+    change, and the model's own pooling (one score per row) is not. ``module`` is the model (hfacc's readers of a
+    model, :func:`hfacc.ops.model_io.get_base_model`, find it there).
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.module = model
+        self.train(model.training)  # the checks put the view in eval mode and back: back is the model's own mode
+
+    def forward(self, **inputs) -> dict[str, torch.Tensor]:
+        base = get_base_model(self.module)
+        backbone = getattr(base, getattr(base, "base_model_prefix", ""), None)
+        head = get_score_head(base)
+        if not isinstance(backbone, nn.Module) or head is None:
+            raise ValueError(
+                f"{type(base).__name__} has no per-position 'score' head (its classifier reads a pooled token), so the "
+                "sequences of a packed row cannot be scored apart"
+            )
+        outputs = backbone(**inputs)
+        hidden = outputs["last_hidden_state"] if isinstance(outputs, Mapping) else outputs[0]
+        scores = {"logits": head(hidden)}
+        if isinstance(outputs, Mapping) and outputs.get("aux_loss") is not None:
+            scores["aux_loss"] = outputs["aux_loss"]
+        return scores
+
+
+__all__ = [
+    "PerPositionScores",
+    "get_last_token_index",
+    "get_score_head",
+    "get_sequence_scores",
+    "reward_model_problem",
+]

@@ -1,0 +1,360 @@
+"""Reward models (hfacc/objectives/reward.py): exact per pair under every split of the window.
+
+The contract (issue 31): with margins and centering, the splits bs 8 x GA 1, 2 x 4, 1 x 8, 3 x 3 (micro-batches of 3,
+3 and 2 pairs), padded and padding-free (packed rows and one row, each sequence scored at its own last token), give
+the update of a hand-written big batch (tests/reward_kto_reference.py: plain torch, no hfacc) to <= 1e-6 relative,
+fp32; TRL's RewardTrainer gives the values of its own loss code from the same scores; a reward model that cannot be
+read per position trains padded, said at WARNING; a bad model is one named error before training. Two ranks with
+uneven pairs: tests/test_distributed.py (tests/reward_kto_check.py's cases). The GRPO reward model: here too.
+"""
+
+import logging
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+
+from hfacc import (
+    DataCollatorForPreference,
+    RewardObjective,
+    TokenWeightedArguments,
+    TokenWeightedTrainer,
+    accumulation_window,
+    build_default_tokenizer,
+    build_preference_dataset,
+    iter_windows,
+)
+from hfacc.data.formats import DataError
+from hfacc.data.padding_free import remove_padding
+from hfacc.objectives.reward import RewardSums, bradley_terry_loss
+from hfacc.ops.scores import get_sequence_scores
+from hfacc.setup.model_setup import build_model_setup
+from tests.helpers import CaptureGradients, relative_error, train_args
+from tests.reward_kto_reference import CENTER, reward_big_batch, reward_pairs, sequence_rewards, tiny_reward_model
+
+TOL = 1e-6
+SPLITS = [(8, 1), (2, 4), (1, 8), (3, 3)]  # (3, 3): micro-batches of 3, 3 and 2 pairs
+COLLATE = DataCollatorForPreference(pad_token_id=0)
+
+# ---- TRL's loss code on the same scores -------------------------------------------------------------------------
+# TRL 1.16's RewardTrainer.compute_loss, run on a model that returns these scores as its logits (chosen rows first),
+# gave the values below (benchmarks/reward_kto.py --check-losses runs TRL's code on them again).
+CHOSEN = torch.tensor([1.5, -0.25, 0.75, 2.0, -1.0])
+REJECTED = torch.tensor([0.5, 0.5, -1.25, 2.5, -3.0])
+MARGIN = torch.tensor([0.0, 1.0, 0.5, -0.5, 2.0])
+TRL_REWARD = {  # (center_rewards_coefficient, with margins) -> the batch's loss
+    (None, False): 0.5356131792068481,
+    (None, True): 0.7622387409210205,
+    (0.01, True): 0.8433637619018555,
+    (0.1, False): 1.3468632698059082,
+}
+TRL_REWARD_METRICS = {"min_reward": -3.0, "mean_reward": 0.225, "max_reward": 2.5, "accuracy": 0.6, "margin": 0.75}
+
+
+@pytest.mark.parametrize("setting", sorted(TRL_REWARD, key=str), ids=str)
+def test_the_loss_gives_trls_values(setting):
+    center, with_margin = setting
+    losses = bradley_terry_loss(CHOSEN, REJECTED, MARGIN if with_margin else None, center)
+    assert losses.mean().item() == pytest.approx(TRL_REWARD[setting], rel=1e-6)
+
+
+def test_the_logged_metrics_are_trls_over_the_same_scores():
+    """TRL's metric names and definitions, from hfacc's summed metric sums of the same pairs split 2 + 3."""
+    objective = RewardObjective()
+    parts = []
+    for part in (slice(0, 2), slice(2, 5)):
+        sums = RewardSums(torch.zeros(5)[part], torch.ones(5)[part], CHOSEN[part], REJECTED[part])
+        parts.append(objective.metric_sums(sums))
+    # a micro-batch that only repeats examples holds nothing: its extremes must not count
+    parts.append(objective.metric_sums(objective.zero_sums(sums)))
+    totals = objective.reduce_metrics(torch.cat(parts).double())
+    logs = objective.metric_logs(totals.tolist())
+    assert {k: logs[k] for k in TRL_REWARD_METRICS} == pytest.approx(TRL_REWARD_METRICS, abs=1e-6)
+    assert logs["num_pairs"] == 5
+
+
+def test_settings_and_models_are_checked():
+    with pytest.raises(ValueError, match="center_rewards_coefficient=-1"):
+        RewardObjective(center_rewards_coefficient=-1)
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    pairs = reward_pairs(2)
+    two = tiny_reward_model()
+    two.config.num_labels = 2  # what the check reads (a classifier of two labels)
+    with pytest.raises(ValueError, match="num_labels=2, but a reward model gives one score per sequence"):
+        build_model_setup(two, COLLATE(pairs), accelerator, objective=RewardObjective(), padding_free=False)
+    no_pad = tiny_reward_model()
+    no_pad.config.pad_token_id = None
+    with pytest.raises(ValueError, match="no pad_token_id"):
+        build_model_setup(no_pad, COLLATE(pairs), accelerator, objective=RewardObjective(), padding_free=False)
+
+
+def test_the_score_is_read_at_each_sequences_own_last_token():
+    """Right- and left-padded, and padding-free (one row, packed rows): the same scores as the model gives each
+    sequence alone (its last token; a pad id equal to a real token id does not move the read)."""
+    model = tiny_reward_model().eval()
+    pairs = reward_pairs(3)
+    batch = COLLATE(pairs)
+    with torch.no_grad():
+        alone = torch.stack(
+            [model(input_ids=torch.tensor([x])).logits[0, 0] for side in ("chosen", "rejected") for x in
+             [p[f"{side}_input_ids"] for p in pairs]]
+        )  # fmt: skip
+        layouts = {"right": batch, "one row": remove_padding(batch, True, keep=["margin"])}
+        layouts["packed rows"] = remove_padding(batch, False, keep=["margin"])
+        left = dict(batch)
+        shifts = [int((m == 0).sum()) for m in batch["attention_mask"]]
+        left["input_ids"] = torch.stack([r.roll(k) for r, k in zip(batch["input_ids"], shifts, strict=True)])
+        left["attention_mask"] = torch.stack([m.roll(int((m == 0).sum())) for m in batch["attention_mask"]])
+        layouts["left"] = left
+        for name, laid in layouts.items():
+            _, scores = get_sequence_scores(model, laid)
+            assert relative_error(scores, alone) <= 1e-6, name
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_reward_model()
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    return reward_pairs(8)
+
+
+def accumulate(model, objective, examples, bs, ga, accelerator, layout):
+    """One window through hfacc's loop path (the window's counts, each micro-batch's share of the window loss),
+    laid out as ``layout`` says; returns the accumulated gradient."""
+    batches = [COLLATE(examples[i : i + bs]) for i in range(0, len(examples), bs)]
+    model.zero_grad()
+    for window in iter_windows(batches, ga):
+        assert len(window) == len(batches)
+        for mb in accumulation_window(accelerator, model, window, objective=objective):
+            laid = mb.batch if layout == "padded" else remove_padding(mb.batch, layout == "one row", keep=["margin"])
+            _, sums = objective(model, laid)
+            mb.scale(sums).backward()
+    grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
+    model.zero_grad()
+    return grad
+
+
+@pytest.mark.parametrize("center, margins", [(None, False), (CENTER, True)], ids=["plain", "margins+centering"])
+def test_every_split_and_layout_gives_the_big_batch(center, margins, model, pairs):
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    examples = pairs if margins else [{k: v for k, v in p.items() if k != "margin"} for p in pairs]
+    want, _, _ = reward_big_batch(model, examples, center)
+    objective = RewardObjective(center)
+    setup = build_model_setup(model, COLLATE(examples[:2]), accelerator, objective=objective, padding_free=True)
+    assert setup.padding_free  # the per-position scores passed the layout check
+    worst = 0.0
+    for layout in ("padded", "one row", "packed rows"):
+        for bs, ga in SPLITS:
+            error = relative_error(accumulate(model, objective, examples, bs, ga, accelerator, layout), want)
+            assert error <= TOL, (layout, bs, ga, error)
+            worst = max(worst, error)
+    print(f"reward {center}: worst relative error {worst:.1e}")
+
+
+def test_the_mean_of_micro_batch_means_is_not_it(model, pairs):
+    """Negative control: TRL's RewardTrainer (each micro-batch's mean / k) misses the big batch on the ragged split."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    want, _, _ = reward_big_batch(model, pairs)
+    objective = RewardObjective(CENTER)
+    batches = [COLLATE(pairs[i : i + 3]) for i in range(0, 8, 3)]
+    model.zero_grad()
+    for mb in accumulation_window(accelerator, model, batches, objective=objective, normalization="micro_batch"):
+        mb.scale(objective(model, mb.batch)[1]).backward()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    assert relative_error(got, want) > 1e-3
+
+
+# ---- the trainer ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bs, ga, padding_free", [(3, 3, True), (2, 4, False), (1, 8, True)])
+def test_trainer_gives_the_big_batch_and_trls_metrics(bs, ga, padding_free, model, pairs, tmp_path):
+    want, want_loss, rewards = reward_big_batch(model, pairs)
+    capture = CaptureGradients(model)
+    args = train_args(tmp_path, bs, ga, args_class=TokenWeightedArguments, padding_free=padding_free,
+                      audit_every_n_steps=1)  # fmt: skip
+    trainer = TokenWeightedTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list(pairs),
+        data_collator=COLLATE,
+        objective=RewardObjective(CENTER),
+        callbacks=[capture],
+    )
+    trainer.train()
+    assert trainer.padding_free is padding_free
+    assert len(capture.grads) == 1 and relative_error(capture.grads[0], want) <= TOL
+    log = trainer.state.log_history[0]
+    chosen, rejected = rewards[:8], rewards[8:]
+    expected = {
+        "loss": want_loss,
+        "accuracy": (chosen > rejected).float().mean().item(),
+        "margin": (chosen - rejected).mean().item(),
+        "min_reward": rewards.min().item(),
+        "mean_reward": rewards.mean().item(),
+        "max_reward": rewards.max().item(),
+    }
+    assert {k: log[k] for k in expected} == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    assert log["num_pairs"] == 8 and "pairs_per_second" in log and log["accumulation_audit_error"] <= 1e-5
+
+
+def test_evaluation_logs_the_metrics_over_all_pairs(model, pairs, tmp_path):
+    """evaluate() in batches of 3, 3, 2 pairs: each metric over all 8 (the extremes too)."""
+    args = train_args(tmp_path, 2, 1, args_class=TokenWeightedArguments, per_device_eval_batch_size=3)
+    trainer = TokenWeightedTrainer(
+        model=model, args=args, eval_dataset=Dataset.from_list(pairs), data_collator=COLLATE,
+        objective=RewardObjective(CENTER),
+    )  # fmt: skip
+    metrics = trainer.evaluate()
+    _, loss, rewards = reward_big_batch(model, pairs, CENTER)
+    chosen, rejected = rewards[:8], rewards[8:]
+    want = {
+        "eval_loss": loss,
+        "eval_accuracy": (chosen > rejected).float().mean().item(),
+        "eval_min_reward": rewards.min().item(),
+        "eval_max_reward": rewards.max().item(),
+        "eval_mean_reward": rewards.mean().item(),
+    }
+    assert {k: metrics[k] for k in want} == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert metrics["eval_num_pairs"] == 8
+
+
+def test_a_model_without_per_position_scores_trains_padded_and_says_so(pairs, tmp_path, caplog):
+    """BERT's classifier reads a pooled first token: its scores cannot be read per sequence of a packed row, so the
+    layout check keeps it padded (a WARNING), and training is exact padded, on the model's own pooled score."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_labels=1,
+        pad_token_id=0,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        initializer_range=0.5,
+    )  # fmt: skip (scores of order 1: a gradient rounding cannot swamp)
+    bert = BertForSequenceClassification(config)
+    capture = CaptureGradients(bert)
+    args = train_args(tmp_path, 3, 3, args_class=TokenWeightedArguments)
+    trainer = TokenWeightedTrainer(model=bert, args=args, train_dataset=Dataset.from_list(pairs),
+                                   data_collator=COLLATE, objective=RewardObjective(), callbacks=[capture])  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        trainer.train()
+    assert not trainer.padding_free
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("padded micro-batches" in m and "no per-position 'score' head" in m for m in said), said
+    bert.zero_grad()
+    batch = COLLATE(pairs)
+    scores = bert(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+    margin = torch.tensor([p["margin"] for p in pairs])
+    (-torch.nn.functional.logsigmoid(scores[:8] - scores[8:] - margin)).mean().backward()
+    want = torch.cat([p.grad.flatten() for p in bert.parameters() if p.grad is not None])
+    assert relative_error(capture.grads[0], want) <= TOL
+
+
+# ---- data: margins ride along --------------------------------------------------------------------------------------
+def test_margins_are_kept_collated_and_checked():
+    tokenizer = build_default_tokenizer()
+    rows = [{"prompt": "2 + 2 =", "chosen": " 4", "rejected": " 5", "margin": 1.5},
+            {"prompt": "Spell cat.", "chosen": " C A T", "rejected": " C T", "margin": 0}]  # fmt: skip
+    built = build_preference_dataset(Dataset.from_list(rows), tokenizer)
+    assert built["margin"] == [1.5, 0.0]
+    batch = DataCollatorForPreference(tokenizer.pad_token_id)(built.to_list())
+    assert batch["margin"].tolist() == [1.5, 0.0] and batch["input_ids"].shape[0] == 4
+    with pytest.raises(DataError, match="row 1, field 'margin': 'wide' is not a finite number"):
+        build_preference_dataset(
+            Dataset.from_list([{**rows[0], "margin": "1.5"}, {**rows[1], "margin": "wide"}]), tokenizer
+        )
+    with pytest.raises(ValueError, match="some pairs of the micro-batch have a margin and others do not"):
+        DataCollatorForPreference(0)([built[0], {k: v for k, v in built[1].items() if k != "margin"}])
+
+
+# ---- a reward model as GRPO's reward ------------------------------------------------------------------------------
+def test_a_reward_model_object_or_path_is_a_grpo_reward(tmp_path):
+    """TRL's rule: a sequence-classification model among reward_funcs scores prompt + completion through its own
+    tokenizer; a path loads one (what `hfacc reward` writes). The score is the model's own, at the last token."""
+    from hfacc import build_default_model
+    from hfacc.generation.rewards import get_reward_funcs, get_reward_function
+    from hfacc.models.loading import as_reward_model
+
+    tokenizer = build_default_tokenizer()
+    reward = as_reward_model(build_default_model(tokenizer, hidden_size=32, num_layers=1), tokenizer.pad_token_id)
+    reward.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    prompts = [[{"role": "user", "content": "What is 2 + 2?"}]] * 2 + ["Spell cat."]
+    completions = [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "22"}], " C A T"]
+    from_object = get_reward_function(reward, tokenizer)
+    (from_path,) = get_reward_funcs([str(tmp_path)])
+    got = from_object(prompts, completions)
+    assert from_path(prompts, completions) == pytest.approx(got, rel=1e-6)
+    texts = from_object.texts(prompts, completions)
+    assert texts[2] == "Spell cat. C A T" and texts[0].endswith(tokenizer.apply_chat_template(
+        prompts[0] + completions[0], tokenize=False)[-20:])  # fmt: skip
+    with torch.no_grad():
+        alone = [reward(input_ids=torch.tensor([tokenizer(t, add_special_tokens=False)["input_ids"]])).logits[0, 0]
+                 for t in texts]  # fmt: skip
+    assert got == pytest.approx([a.item() for a in alone], rel=1e-5) and len(set(got)) == 3
+    assert math.isfinite(sum(got)) and from_object.__name__
+    two = as_reward_model(build_default_model(tokenizer, hidden_size=32, num_layers=1))
+    two.config.num_labels = 2
+    with pytest.raises(ValueError, match="num_labels=2"):
+        get_reward_function(two, tokenizer)
+
+
+def test_sequence_rewards_reference_is_the_models_own_pooling(model, pairs):
+    """The hand-written reference reads the score where transformers' own pooling does (right padding, a pad id 0
+    that no sequence holds): the reference is the model's score."""
+    batch = COLLATE(pairs)
+    with torch.no_grad():
+        pooled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        assert relative_error(sequence_rewards(model, pairs), pooled) <= 1e-6
+
+
+# ---- hfacc verify --objective reward ----------------------------------------------------------------------------
+def test_hfacc_verify_objective_reward_on_the_embedded_pairs(capsys):
+    from hfacc.cli import main as cli_main
+
+    # The embedded model's own size: a fresh reward head scores every sequence about alike, so the gradient is a
+    # difference of near-equal terms, and a smaller model rounds it to ~1e-5 (fp32 rounding, not accumulation).
+    argv = ["verify", "--objective", "reward", "--per_device_train_batch_size", "2"]
+    code = cli_main(argv)
+    out = capsys.readouterr().out
+    assert code == 0 and "PASS" in out and "objective   reward" in out
+    assert "LlamaForSequenceClassification" in out and "pairs per micro-batch (rank 0): [2, 2, 2, 2]" in out
+
+
+def test_grpo_trains_on_a_reward_model_given_by_its_path(tmp_path):
+    """GRPOTrainer with a reward model among reward_funcs (a path, as `hfacc grpo --reward_funcs <dir>` gives it):
+    each sampled completion is rewarded with the model's score of prompt + completion, logged under its name."""
+    from hfacc import build_default_model
+    from hfacc.generation.rewards import RewardModelFunction
+    from hfacc.models.loading import as_reward_model
+    from tests.grpo_setup import run_grpo
+
+    tokenizer = build_default_tokenizer()
+    reward = as_reward_model(build_default_model(tokenizer, hidden_size=32, num_layers=1, seed=3),
+                             tokenizer.pad_token_id)  # fmt: skip
+    path = tmp_path / "reward-model"
+    reward.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    trainer, capture, _ = run_grpo(tmp_path / "grpo", reward_funcs=(str(path),))
+    (func,) = trainer.reward_funcs
+    assert isinstance(func, RewardModelFunction) and func.__name__ == "reward-model"
+    rollout = capture.rollouts[0]
+    assert rollout.rewards.shape[1] == 1 and rollout.rewards.std() > 0  # scores that tell completions apart
+    logged = trainer.state.log_history[0]
+    assert logged["rewards/reward-model/mean"] == pytest.approx(rollout.rewards.mean().item())
+    assert len(capture.grads) == 1 and capture.grads[0].norm() > 0
