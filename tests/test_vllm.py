@@ -264,3 +264,58 @@ def test_hfacc_dpo_answers_the_held_out_prompts_on_vllm(sft_on_vllm, tmp_path, c
     out = capsys.readouterr().out
     for when in ("before", "after"):
         assert re.search(rf"exact match {when} training: answering [1-4] held-out prompts greedily \(vLLM\)", out), out
+
+
+# ---- on-policy distillation: the same engine ----------------------------------------------------------------------
+def test_on_policy_distillation_samples_on_vllm(in_step, engine, tmp_path):
+    """DistillationTrainer(use_vllm=True): the student's completions come from the engine, which gets the student's
+    weights before each generation after a step (its log-probs are the student's at that step), and each step is the
+    big batch of the completions it trained."""
+    from hfacc import DistillationArguments, DistillationTrainer
+    from tests.distillation_reference import big_batch
+    from tests.helpers import CaptureGradients, train_args
+
+    student, tokenizer = build_policy(0, **POLICY)
+    teacher = build_policy(1, **POLICY)[0]
+    args = train_args(
+        tmp_path, 2, 2, args_class=DistillationArguments, use_vllm=True, lmbda=1.0, beta=0.5, max_steps=3,
+        max_completion_length=12, learning_rate=1e-2, lr_scheduler_type="constant", optim="sgd", seed=3,
+    )  # fmt: skip
+    capture = CaptureGradients(student)
+    trainer = DistillationTrainer(
+        student, teacher, args, train_dataset=build_prompts(12), processing_class=tokenizer, callbacks=[capture]
+    )
+    trainer._engine, engine.version = engine, None  # the module's engine: this student goes in at the first generation
+    steps, make, sample = [], trainer.generate_micro_batches, engine.sample
+
+    def record(indices, generation=0):
+        steps.append({"weights": copy.deepcopy(trainer.model.state_dict()), "samples": []})
+        batches = make(indices, generation)
+        steps[-1]["rows"] = list(trainer.last_rows)
+        return batches
+
+    def sampled(prompt_ids, settings, *, seed=None):
+        out = sample(prompt_ids, settings, seed=seed)
+        steps[-1]["samples"] += list(zip(map(list, prompt_ids), out.completion_ids, out.logps, strict=True))
+        return out
+
+    trainer.generate_micro_batches, engine.sample, syncs = record, sampled, engine.syncs
+    try:
+        trainer.train()
+    finally:
+        engine.sample = sample
+    assert len(steps) == len(capture.grads) == 3 and engine.syncs - syncs == 3  # the first, then after each step
+    model = copy.deepcopy(student)
+    for step, record_ in enumerate(steps):
+        model.load_state_dict(record_["weights"])
+        assert len(record_["samples"]) == 4  # every prompt of the step sampled by the engine (lmbda 1)
+        for prompt, completion, logps in record_["samples"]:
+            mine = token_logps(model, prompt + completion)[len(prompt) - 1 :]
+            assert (mine - torch.tensor(logps)).abs().max() <= 1e-3, step
+        want, _, _ = big_batch(
+            copy.deepcopy(model), teacher, record_["rows"], beta=0.5, temperature=1.0, ce_weight=0.0,
+            vocab=len(tokenizer),
+        )  # fmt: skip
+        assert relative_error(capture.grads[step], want) <= 1e-6, step
+    first, last = steps[0]["weights"], steps[-1]["weights"]
+    assert max((first[k] - last[k]).abs().max().item() for k in first) > 1e-3  # the copies carry real changes

@@ -11,9 +11,11 @@ by :class:`hfacc.DistillationObjective`: the window counts the completion tokens
 *generated* ones where the student generated — over its micro-batches and ranks, before the first backward. (TRL's
 GKDTrainer lets the Trainer count the dataset's labels and then replaces them by the generated ones, trl#4719.)
 
-Generation goes through one method, :meth:`DistillationTrainer.sample`, which calls the function GRPOTrainer
-samples with (:func:`hfacc.generation.rollout.sample_completions`): a generation engine given to GRPO (vLLM) is one
-change there for both.
+Generation goes through one method, :meth:`DistillationTrainer.sample`, and GRPO's generation engine
+(:mod:`hfacc.generation.engine`): the student's own ``generate``, or with ``use_vllm=True`` a colocated vLLM engine
+that gets the student's weights before every generation that follows an optimizer step (TRL's settings,
+:class:`hfacc.generation.vllm_engine.VLLMArguments`). The divergence is the teacher's against the student's own
+log-probs of the sampled tokens, so the sampler's log-probs are not used.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from torch import nn
 
 from ..data.collator import DataCollatorForCausalLM
 from ..data.formats import DataError
-from ..generation.rollout import SamplingSettings, get_prompt_ids, is_conversational, sample_completions
+from ..generation.engine import GenerationEngine
+from ..generation.rollout import SamplingSettings, get_prompt_ids, is_conversational
+from ..generation.vllm_engine import VLLMArguments, build_generation_engine, check_vllm_settings
 from ..objectives.distillation import DistillationObjective
 from ..ops.loss import IGNORE_INDEX
 from .arguments import TokenWeightedArguments, convert_arguments
@@ -41,9 +45,10 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DistillationArguments(TokenWeightedArguments):
+class DistillationArguments(TokenWeightedArguments, VLLMArguments):
     """``TokenWeightedArguments`` plus on-policy distillation's settings (the names of TRL's ``DistillationConfig``
-    and ``GKDConfig``). ``per_device_train_batch_size`` counts prompts (one completion each)."""
+    and ``GKDConfig``; ``use_vllm`` and the engine's, :class:`hfacc.generation.vllm_engine.VLLMArguments`, as GRPO's).
+    ``per_device_train_batch_size`` counts prompts (one completion each)."""
 
     lmbda: float = field(
         default=1.0,
@@ -80,6 +85,7 @@ class DistillationArguments(TokenWeightedArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        check_vllm_settings(self)
         if not 0 <= self.lmbda <= 1:
             raise ValueError(f"lmbda={self.lmbda}: it must be in [0, 1] (the share of on-policy micro-batches).")
         if self.max_completion_length < 1:
@@ -158,6 +164,7 @@ class DistillationTrainer(TokenWeightedTrainer):
             **kwargs,
         )
         self._generations = 0
+        self._engine: GenerationEngine | None = None
         self.generation_meter = GenerationMeter()
         self.generation_seconds = 0.0  # this rank's, over the whole run
         self.last_rows: list[dict[str, Any]] = []  # the latest generation batch's rows, in training order
@@ -167,16 +174,38 @@ class DistillationTrainer(TokenWeightedTrainer):
         """Micro-batches of prompts and completions, one generation batch per optimizer step (GRPO's loader)."""
         return RolloutLoader(self)
 
-    def sample(self, prompt_ids: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[bool]]:
-        """One completion per prompt from the student: ``(completion ids, truncated flags)``. GRPO's sampler
-        (:func:`hfacc.generation.rollout.sample_completions`): the one place generation happens."""
+    @property
+    def engine(self) -> GenerationEngine:
+        """The generation engine (GRPO's): the student's ``generate``, or with ``use_vllm=True`` a colocated vLLM
+        engine, built on first use (on every rank at the same time)."""
+        if self._engine is None:
+            args = self.args
+            longest = args.max_prompt_length + args.max_completion_length if args.max_prompt_length else None
+            self._engine = build_generation_engine(
+                args,
+                self.accelerator.unwrap_model(self.model),
+                self.processing_class,
+                self.accelerator,
+                max_model_len=longest,
+                batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps,
+            )
+            self._engine.version = self.state.global_step  # it was built from the weights as they are now
+        return self._engine
+
+    def sample(self, prompt_ids: Sequence[Sequence[int]], generation: int = 0) -> tuple[list[list[int]], list[bool]]:
+        """One completion per prompt from the student: ``(completion ids, truncated flags)``, sampled by
+        :attr:`engine` from the student's current weights (the one place generation happens). ``generation`` numbers
+        the generation batch in the run: it seeds the engine's sampling where the engine seeds its own (vLLM)."""
         args = self.args
         settings = SamplingSettings(
             args.max_completion_length, args.temperature, args.top_p, args.top_k, args.repetition_penalty
         )
-        return sample_completions(
-            self.accelerator.unwrap_model(self.model), self.processing_class, prompt_ids, settings
-        )
+        engine = self.engine
+        engine.update(self.accelerator.unwrap_model(self.model), version=self.state.global_step)
+        base_seed = args.data_seed if args.data_seed is not None else args.seed
+        seed = (base_seed * 1_000_003 + generation * 7919 + self.accelerator.process_index * 104_729) % 2**31
+        samples = engine.sample(prompt_ids, settings, seed=seed)
+        return samples.completion_ids, samples.truncated
 
     def on_policy_draws(self, count: int) -> list[bool]:
         """Which of the next ``count`` micro-batches the student generates: seeded, the same on every rank."""
@@ -199,7 +228,7 @@ class DistillationTrainer(TokenWeightedTrainer):
         completions: list[list[int] | None] = [None] * len(rows)
         truncated = 0
         if generated:
-            sampled, cut = self.sample([prompts[i] for i in generated])
+            sampled, cut = self.sample([prompts[i] for i in generated], generation)
             for i, ids, was_cut in zip(generated, sampled, cut, strict=True):
                 completions[i] = ids
                 truncated += was_cut
