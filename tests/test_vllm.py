@@ -222,50 +222,6 @@ def test_held_out_answers_are_the_same_greedy_answers(in_step, engine):
     assert ours == generate_answers(policy, tokenizer, conversations, max_new_tokens=10)
 
 
-# ---- the jobs' held-out answers: the same switch ------------------------------------------------------------------
-JOB = ["--embedded_hidden_size", "128", "--embedded_num_layers", "1", "--num_exact_match_examples", "4"]
-JOB += ["--max_new_tokens", "6", "--logging_steps", "1", "--disable_tqdm", "true", "--use_vllm", "true"]
-
-
-@pytest.fixture(scope="module")
-def sft_on_vllm(tmp_path_factory):
-    """``hfacc sft --use_vllm true``, shortened: its held-out prompts answered by a vLLM engine (this process's
-    second: one per run of a single process is no limit)."""
-    from hfacc.cli import main as cli_main
-
-    out = tmp_path_factory.mktemp("sft") / "out"
-    argv = ["sft", *JOB, "--max_steps", "3", "--num_embedded_examples", "160", "--eval_strategy", "no"]
-    assert cli_main([*argv, "--output_dir", str(out)]) == 0
-    return out
-
-
-@pytest.mark.slow
-def test_hfacc_sft_answers_the_held_out_prompts_on_vllm(sft_on_vllm, capsys):
-    import json
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    metrics = json.loads((sft_on_vllm / "metrics.json").read_text())
-    assert len(metrics["samples"]) == 4 and 0 <= metrics["exact_match"] <= 1
-    model = AutoModelForCausalLM.from_pretrained(sft_on_vllm)
-    tokenizer = AutoTokenizer.from_pretrained(sft_on_vllm)
-    prompts = [[{"role": "user", "content": s["prompt"]}] for s in metrics["samples"]]
-    # vLLM's greedy answers are transformers' (the embedded data has no system prompt on these rows).
-    assert [s["answer"] for s in metrics["samples"]] == generate_answers(model, tokenizer, prompts, max_new_tokens=6)
-
-
-@pytest.mark.slow
-def test_hfacc_dpo_answers_the_held_out_prompts_on_vllm(sft_on_vllm, tmp_path, capsys):
-    from hfacc.cli import main as cli_main
-
-    argv = ["dpo", *JOB, "--sft_model_dir", str(sft_on_vllm), "--num_embedded_pairs", "40", "--max_steps", "2"]
-    argv += ["--per_device_train_batch_size", "4", "--eval_steps", "2", "--output_dir", str(tmp_path / "dpo")]
-    assert cli_main(argv) == 0
-    out = capsys.readouterr().out
-    for when in ("before", "after"):
-        assert re.search(rf"exact match {when} training: answering [1-4] held-out prompts greedily \(vLLM\)", out), out
-
-
 # ---- on-policy distillation: the same engine ----------------------------------------------------------------------
 def test_on_policy_distillation_samples_on_vllm(in_step, engine, tmp_path):
     """DistillationTrainer(use_vllm=True): the student's completions come from the engine, which gets the student's
@@ -319,3 +275,49 @@ def test_on_policy_distillation_samples_on_vllm(in_step, engine, tmp_path):
         assert relative_error(capture.grads[step], want) <= 1e-6, step
     first, last = steps[0]["weights"], steps[-1]["weights"]
     assert max((first[k] - last[k]).abs().max().item() for k in first) > 1e-3  # the copies carry real changes
+
+
+# ---- the jobs' held-out answers: the same switch ------------------------------------------------------------------
+# Last in this module: after a job has built (and dropped) an engine of its own in this process, the module's engine
+# failed to sample (vLLM's pipeline-parallel group was gone). A run has one engine per process.
+JOB = ["--embedded_hidden_size", "128", "--embedded_num_layers", "1", "--num_exact_match_examples", "4"]
+JOB += ["--max_new_tokens", "6", "--logging_steps", "1", "--disable_tqdm", "true", "--use_vllm", "true"]
+
+
+@pytest.fixture(scope="module")
+def sft_on_vllm(tmp_path_factory):
+    """``hfacc sft --use_vllm true``, shortened: its held-out prompts answered by a vLLM engine (this process's
+    second: one per run of a single process is no limit)."""
+    from hfacc.cli import main as cli_main
+
+    out = tmp_path_factory.mktemp("sft") / "out"
+    argv = ["sft", *JOB, "--max_steps", "3", "--num_embedded_examples", "160", "--eval_strategy", "no"]
+    assert cli_main([*argv, "--output_dir", str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_hfacc_sft_answers_the_held_out_prompts_on_vllm(sft_on_vllm, capsys):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    metrics = json.loads((sft_on_vllm / "metrics.json").read_text())
+    assert len(metrics["samples"]) == 4 and 0 <= metrics["exact_match"] <= 1
+    model = AutoModelForCausalLM.from_pretrained(sft_on_vllm)
+    tokenizer = AutoTokenizer.from_pretrained(sft_on_vllm)
+    prompts = [[{"role": "user", "content": s["prompt"]}] for s in metrics["samples"]]
+    # vLLM's greedy answers are transformers' (the embedded data has no system prompt on these rows).
+    assert [s["answer"] for s in metrics["samples"]] == generate_answers(model, tokenizer, prompts, max_new_tokens=6)
+
+
+@pytest.mark.slow
+def test_hfacc_dpo_answers_the_held_out_prompts_on_vllm(sft_on_vllm, tmp_path, capsys):
+    from hfacc.cli import main as cli_main
+
+    argv = ["dpo", *JOB, "--sft_model_dir", str(sft_on_vllm), "--num_embedded_prompts", "40", "--max_steps", "2"]
+    argv += ["--per_device_train_batch_size", "4", "--eval_steps", "2", "--output_dir", str(tmp_path / "dpo")]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    for when in ("before", "after"):
+        assert re.search(rf"exact match {when} training: answering [1-4] held-out prompts greedily \(vLLM\)", out), out

@@ -34,11 +34,11 @@ from ..data.collator import DataCollatorForCausalLM
 from ..data.formats import DataError
 from ..generation.engine import GenerationEngine
 from ..generation.rollout import SamplingSettings, get_prompt_ids, is_conversational
-from ..generation.vllm_engine import VLLMArguments, build_generation_engine, check_vllm_settings
+from ..generation.vllm_engine import VLLMArguments, check_vllm_settings
 from ..objectives.distillation import DistillationObjective
 from ..ops.loss import IGNORE_INDEX
 from .arguments import TokenWeightedArguments, convert_arguments
-from .grpo_trainer import RolloutLoader
+from .grpo_trainer import GRPOTrainer, RolloutLoader
 from .trainer import TokenWeightedTrainer
 
 logger = logging.getLogger(__name__)
@@ -174,23 +174,9 @@ class DistillationTrainer(TokenWeightedTrainer):
         """Micro-batches of prompts and completions, one generation batch per optimizer step (GRPO's loader)."""
         return RolloutLoader(self)
 
-    @property
-    def engine(self) -> GenerationEngine:
-        """The generation engine (GRPO's): the student's ``generate``, or with ``use_vllm=True`` a colocated vLLM
-        engine, built on first use (on every rank at the same time)."""
-        if self._engine is None:
-            args = self.args
-            longest = args.max_prompt_length + args.max_completion_length if args.max_prompt_length else None
-            self._engine = build_generation_engine(
-                args,
-                self.accelerator.unwrap_model(self.model),
-                self.processing_class,
-                self.accelerator,
-                max_model_len=longest,
-                batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps,
-            )
-            self._engine.version = self.state.global_step  # it was built from the weights as they are now
-        return self._engine
+    # The generation engine: GRPO's (the student's ``generate``, or with ``use_vllm=True`` a colocated vLLM engine,
+    # built on first use on every rank at the same time; one generation per optimizer step here).
+    engine = GRPOTrainer.engine
 
     def sample(self, prompt_ids: Sequence[Sequence[int]], generation: int = 0) -> tuple[list[list[int]], list[bool]]:
         """One completion per prompt from the student: ``(completion ids, truncated flags)``, sampled by

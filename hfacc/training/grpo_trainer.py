@@ -355,7 +355,7 @@ class GRPOTrainer(TokenWeightedTrainer):
                 batch_size=args.per_device_train_batch_size * args.steps_per_generation,
             )
             self._engine.version = self.state.global_step  # it was built from the weights as they are now
-            logger.info("hfacc: GRPO samples with %s.", self._engine.name)
+            logger.info("hfacc: %s samples with %s.", type(self).__name__, self._engine.name)
         return self._engine
 
     def get_train_dataloader(self) -> RolloutLoader:
