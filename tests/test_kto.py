@@ -221,7 +221,11 @@ def test_trainer_gives_the_big_batch(case, models, rows, tmp_path):
     assert trainer.padding_free is padding_free and trainer.objective.fused
     assert len(capture.grads) == 1 and relative_error(capture.grads[0], want) <= TOL
     log = trainer.state.log_history[0]
-    assert log["loss"] == pytest.approx(want_loss, rel=1e-5) and log["kl"] == pytest.approx(z0, rel=1e-5, abs=1e-7)
+    # z0 (about 0.016 here) is the mean of differences of two sums of up to 14 log-probs near -4 each (chunked from
+    # the hidden states here, from full logits by hand): fp32 rounds each sum by up to ~1e-6 absolute (9.5e-7 seen
+    # in a full-suite run), which is 6e-5 of this small z0; a per-micro-batch z0 is off by far more
+    # (test_a_reference_point_per_micro_batch_is_not_it).
+    assert log["loss"] == pytest.approx(want_loss, rel=1e-5) and log["kl"] == pytest.approx(z0, rel=1e-5, abs=5e-6)
     assert log["num_examples"] == 8 and "examples_per_second" in log and log["accumulation_audit_error"] <= 1e-5
 
 
