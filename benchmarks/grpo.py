@@ -1,7 +1,10 @@
-"""GRPO: hfacc's GRPOTrainer vs TRL's GRPOTrainer, and how exact each one's step is on a fixed rollout.
+"""GRPO: hfacc's GRPOTrainer vs TRL's GRPOTrainer, and how exact each one's step is on a fixed rollout; and the
+generation engines (transformers generate vs vLLM).
 
     python benchmarks/grpo.py                 # CPU, fp32: the numbers in benchmarks/README.md
     python benchmarks/grpo.py --steps 8 --rounds 3 --device cuda
+    python benchmarks/grpo.py --engines       # in the vLLM environment: generate vs vLLM (and TRL on vLLM)
+    python benchmarks/grpo.py --engines --device cuda --steps 8
 
 Part 1, speed and memory. Same model (the embedded default: Llama, 2 layers, hidden 256, the recipe's BPE
 vocabulary), same prompts (the embedded tasks, as chat), num_generations 8, max_completion_length 32, 32
@@ -11,6 +14,13 @@ Generation time is measured the same way for both (a timer around each trainer's
 training time is the rest of the step. Reported: completion tokens trained per second of training, completion
 tokens sampled per second of generation, and peak memory of one whole step (PyTorch profiler allocation events on
 CPU, torch.cuda.max_memory_allocated on a GPU).
+
+Part 3 (--engines, instead of parts 1 and 2): the same GRPO run with hfacc sampling through transformers' generate
+and through a colocated vLLM engine (use_vllm=True: one engine for all rounds, as one process can hold only one; it
+gets each round's policy at its first generation), and TRL 1.16 with use_vllm=True where it runs. Reported per
+contender: seconds per step, completion tokens sampled per second of generation, completion tokens trained per
+second of training, the largest sampler/policy log-prob difference logged, and peak memory of one whole step
+(a fresh run of one step: for vLLM, with its engine's weights and KV cache).
 
 Part 2, normalization on a fixed rollout (8 completions of 1-14 tokens, advantages, old log-probs that clip ratios on
 both sides; tests/rollouts.py builds the same kind): the gradient of bs 2 x GA 4 against the hand-written big batch,
@@ -94,13 +104,15 @@ def completion_tokens(trainer, kind):
     return [h["completions/mean_length"] * BS * GA for h in history if "completions/mean_length" in h]
 
 
-def run_hfacc(model, tokenizer, prompts, steps, out, device):
+def run_hfacc(model, tokenizer, prompts, steps, out, device, engine=None, **settings):
     args = GRPOArguments(
         output_dir=out, per_device_train_batch_size=BS, gradient_accumulation_steps=GA, num_generations=G,
         max_completion_length=L, max_steps=steps, learning_rate=1e-5, logging_steps=1, report_to=[],
-        save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, loss_type="token", seed=0,
+        save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, loss_type="token", seed=0, **settings,
     )  # fmt: skip
-    trainer = GRPOTrainer(model, [length_reward], args, train_dataset=prompts, processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model, [length_reward], args, train_dataset=prompts, processing_class=tokenizer, engine=engine
+    )
     timer = Timer()
     timer.wrap(trainer, "generate_micro_batches")
     trainer.add_callback(timer)
@@ -108,7 +120,7 @@ def run_hfacc(model, tokenizer, prompts, steps, out, device):
     return trainer, timer
 
 
-def run_trl(model, tokenizer, prompts, steps, out, device):
+def run_trl(model, tokenizer, prompts, steps, out, device, **settings):
     from trl import GRPOConfig
     from trl import GRPOTrainer as TRLGRPOTrainer
 
@@ -116,7 +128,7 @@ def run_trl(model, tokenizer, prompts, steps, out, device):
         output_dir=out, per_device_train_batch_size=BS, gradient_accumulation_steps=GA, num_generations=G,
         max_completion_length=L, max_steps=steps, learning_rate=1e-5, logging_steps=1, report_to=[],
         save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, loss_type="dapo", beta=0.0, seed=0,
-        top_k=0,
+        top_k=0, **settings,
     )  # fmt: skip
     trainer = TRLGRPOTrainer(model, [length_reward], args, train_dataset=prompts, processing_class=tokenizer)
     timer = Timer()
@@ -169,6 +181,87 @@ def speed(args):
             f"{kind:10s} {med['train_tok_s']:12.0f} {med['gen_tok_s']:10.0f} {med['step_s']:7.2f} "
             f"{med['gen_share']:9.2f} {memory[kind] / 2**20:9.0f}"
         )
+
+
+# ---- part 3: the generation engines -------------------------------------------------------------------------------
+def engines(args):
+    """hfacc with transformers' generate vs hfacc with vLLM (colocate), interleaved; TRL 1.16 on vLLM where it runs."""
+    from hfacc.generation.vllm_engine import VLLMEngine
+
+    tokenizer = build_default_tokenizer()
+    prompts = prompts_dataset(4096)
+    first = build_default_model(tokenizer, seed=0).to(args.device)
+    # One engine per process: built once (its start is not in any step), each round's policy copied in at once.
+    engine = VLLMEngine(first, tokenizer, max_model_len=512, max_num_seqs=BS * GA, on_cpu=args.device == "cpu")
+    results = {"generate": [], "vllm": []}
+    for r in range(args.rounds):
+        for kind in ("generate", "vllm") if r % 2 == 0 else ("vllm", "generate"):
+            model = build_default_model(tokenizer, seed=0).to(args.device)
+            with tempfile.TemporaryDirectory() as out:
+                trainer, timer = run_hfacc(
+                    model, tokenizer, prompts, args.steps, out, args.device, engine=engine if kind == "vllm" else None
+                )
+            results[kind].append(summarize(trainer, timer, "hfacc"))
+            print(f"round {r + 1} {kind:9s} " + "  ".join(f"{k} {v:.3g}" for k, v in results[kind][-1].items()))
+    memory = {}
+    for kind in ("generate", "vllm"):
+        model = build_default_model(tokenizer, seed=0).to(args.device)
+        with tempfile.TemporaryDirectory() as out:
+            memory[kind] = peak_memory(
+                lambda model=model, out=out, kind=kind: run_hfacc(
+                    model, tokenizer, prompts, 1, out, args.device, engine=engine if kind == "vllm" else None
+                ),
+                args.device,
+            )
+    # vLLM's own memory (weights + KV cache) is allocated when the engine starts, outside the step measured above.
+    trl = "not installed in this environment"
+    try:
+        model = build_default_model(tokenizer, seed=0).to(args.device)
+        with tempfile.TemporaryDirectory() as out:
+            # TRL's colocated engine loads the model by its name: the embedded one gets a directory.
+            model.save_pretrained(f"{out}/model")
+            tokenizer.save_pretrained(f"{out}/model")
+            model.config._name_or_path = model.name_or_path = f"{out}/model"
+            trainer, timer = run_trl(model, tokenizer, prompts, args.steps, out, args.device, use_vllm=True,
+                                     vllm_mode="colocate", vllm_gpu_memory_utilization=0.1)  # fmt: skip
+        results["trl vllm"] = [summarize(trainer, timer, "trl")]
+    except ImportError:
+        pass
+    except Exception as err:  # TRL's colocate path loads weights through the runner's load_weights
+        trl = f"fails: {type(err).__name__}: {str(err)[:120]}"
+    print()
+    print(
+        f"{'contender':12s} {'s/step':>7s} {'gen tok/s':>10s} {'train tok/s':>12s} {'max logp diff':>14s} {'peak MiB':>9s}"
+    )
+    for kind, rows in results.items():
+        med = {k: statistics.median(x[k] for x in rows) for k in rows[0]}
+        peak = f"{memory[kind] / 2**20:9.0f}" if kind in memory else f"{'-':>9s}"
+        print(
+            f"{kind:12s} {med['step_s']:7.2f} {med['gen_tok_s']:10.0f} {med['train_tok_s']:12.0f} "
+            f"{med['logp_diff_max']:14.2e} {peak}"
+        )
+    if "trl vllm" not in results:
+        print(f"trl vllm     {trl}")
+    if engine.kv_cache_memory_bytes:  # allocated when the engine started, outside the steps measured above
+        print(f"(vLLM's KV cache: {engine.kv_cache_memory_bytes / 2**20:.0f} MiB, beside its copy of the weights)")
+
+
+def summarize(trainer, timer, kind) -> dict:
+    """Per-round figures (the first step of a round dropped: warm-up)."""
+    tokens = completion_tokens(trainer, kind)[1:]
+    steps, gen = timer.steps[1:], timer.generation[1:]
+    train_time = sum(s - g for s, g in zip(steps, gen, strict=True))
+    differences = [
+        h["sampling/sampling_logp_difference/max"]
+        for h in trainer.state.log_history
+        if "sampling/sampling_logp_difference/max" in h
+    ]
+    return {
+        "step_s": sum(steps) / len(steps),
+        "gen_tok_s": sum(tokens) / sum(gen),
+        "train_tok_s": sum(tokens) / train_time,
+        "logp_diff_max": max(differences, default=float("nan")),
+    }
 
 
 # ---- part 2: normalization on a fixed rollout ----------------------------------------------------------------------
@@ -307,8 +400,12 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip_speed", action="store_true")
+    parser.add_argument("--engines", action="store_true", help="part 3: transformers generate vs vLLM (needs vLLM)")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(max(1, torch.get_num_threads()))  # before vLLM starts: it freezes the thread count
+    if args.engines:
+        engines(args)
+        return
     if not args.skip_speed:
         speed(args)
     normalization()

@@ -8,7 +8,7 @@ list and from itself, never from one below it (tests/test_layers.py reads every 
     data         rows to micro-batches: sources, formats, chat masking, streaming, packing, collators, the
                  padding-free layout of each micro-batch, images, preference pairs, the embedded datasets
     models       loading models and tokenizers; the frozen reference and its precomputed log-probs
-    generation   sampling from a policy: rollouts, reward functions, generation-based evaluation
+    generation   sampling from a policy: the engine (generate, vLLM), rollouts, rewards, generation-based evaluation
     objectives   one module per loss family: its unit, its sums, what it sets up once
     setup        the once-per-model decisions: objective, layout checks (padding-free, packing), loss path
     training     the trainer and the life of a step, checkpoints, hand-written loops, the GRPO trainer
@@ -35,7 +35,9 @@ from .data.preference import DataCollatorForPreference, DataCollatorForUnpairedP
 from .data.sft import DataArguments, build_sft_dataset
 from .data.sources import load_sft_source
 from .data.vision import DataCollatorForVisionLM, get_processor
+from .generation.engine import GenerationEngine, TransformersEngine
 from .generation.evaluation import generate_answers
+from .generation.vllm_engine import VLLMArguments, VLLMEngine, build_generation_engine
 from .models.loading import (
     ModelArguments,
     apply_lora,
@@ -151,6 +153,12 @@ __all__ = [
     "PolicyGradientObjective",
     "GRPOTrainer",
     "GRPOArguments",
+    # generation engines: transformers generate, or vLLM kept in step with the policy
+    "GenerationEngine",
+    "TransformersEngine",
+    "VLLMEngine",
+    "VLLMArguments",
+    "build_generation_engine",
     # loss math
     "IGNORE_INDEX",
     "LossSums",

@@ -107,8 +107,8 @@ def on_policy_case(tmp) -> dict:
     )
     recorded, make = [], trainer.generate_micro_batches
 
-    def record(indices):
-        batches = make(indices)
+    def record(indices, generation=0):
+        batches = make(indices, generation)
         recorded.append(list(trainer.last_rows))
         return batches
 

@@ -120,6 +120,20 @@ def full_parameters(model):
     return torch.cat([p.detach().float().cpu().flatten() for p in full])
 
 
+def engine_weights_case(model) -> dict:
+    """What a vLLM engine would be given (hfacc.generation.vllm_engine.get_engine_weights, a collective): every name
+    and shape of the architecture, and exactly the values of the full parameters, however the engine shards them."""
+    from hfacc.generation.vllm_engine import check_engine_weights, get_engine_weights, get_expected_weights
+    from hfacc.ops.model_io import get_base_model
+
+    weights = get_engine_weights(model)
+    check_engine_weights(weights, get_expected_weights(model))
+    by_name = dict(weights)
+    names = [n for n, _ in get_base_model(model).named_parameters()]
+    copied = torch.cat([by_name[n].detach().float().cpu().flatten() for n in names])
+    return {"tensors": len(weights), "error": (copied - full_parameters(model)).abs().max().item()}
+
+
 def partition_everything(args):
     """ZeRO-3 keeps parameters below 1e5 elements whole on every rank (stage3_param_persistence_threshold): all of a
     tiny model's. Real models' output projections are far above it; so are this test's, with the threshold at 0."""
@@ -166,6 +180,7 @@ def trainer_case(examples, *, bs, ga, tied=False, fused=True, **overrides):
         "fsdp_enabled": trainer.is_fsdp_enabled,
         "world_size": trainer.accelerator.num_processes,
         "head": spy.summary(),
+        "engine_weights": engine_weights_case(trainer.model),
     }
 
 
@@ -207,6 +222,7 @@ def fsdp2_loop_case(accelerator, examples, *, reshard=True, tied=False, head_uni
         "loss_error": abs(loss_sum.item() / mb.window.num_targets - token_loss) / token_loss,
         "fused": objective.fused,
         "head": spy.summary(),
+        "engine_weights": engine_weights_case(model),
     }
 
 

@@ -14,14 +14,15 @@ from hfacc.data.embedded import build_default_model, build_default_tokenizer, ge
 from tests.helpers import flat_grad
 
 
-def build_policy(seed: int = 0):
+def build_policy(seed: int = 0, hidden_size: int = 32, num_heads: int = 4):
     """A random tiny Llama that stops at EOS now and then: completions of many lengths, as a trained one samples.
 
     Its EOS output row points along the mean final hidden state of a prompt, so EOS gets a logit of about 4 (a
-    probability of about 0.15 per token) and completions end after 1 to 12 tokens.
+    probability of about 0.15 per token) and completions end after 1 to 12 tokens. (vLLM's CPU kernels need heads of
+    32 dimensions or more: hidden_size 64 with 2 heads.)
     """
     tokenizer = build_default_tokenizer()
-    model = build_default_model(tokenizer, hidden_size=32, num_layers=1, seed=seed)
+    model = build_default_model(tokenizer, hidden_size=hidden_size, num_layers=1, seed=seed, num_heads=num_heads)
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     with torch.no_grad():
@@ -61,9 +62,19 @@ class CaptureSteps(TrainerCallback):
         self.rollouts.append(copy.deepcopy(self.trainer.rollout))
 
 
-def run_grpo(output_dir, steps: int = 1, reward_funcs=(brevity,), model_seed: int = 0, **settings):
-    """A short GRPOTrainer run; returns (trainer, capture, the policy as it started)."""
-    model, tokenizer = build_policy(model_seed)
+def run_grpo(
+    output_dir,
+    steps: int = 1,
+    reward_funcs=(brevity,),
+    model_seed: int = 0,
+    policy=None,
+    engine=None,
+    resume_from_checkpoint=None,
+    **settings,
+):
+    """A short GRPOTrainer run; returns (trainer, capture, the policy as it started). ``policy``: ``(model,
+    tokenizer)`` to train (default: :func:`build_policy`); ``engine``: the generation engine to sample with."""
+    model, tokenizer = policy if policy is not None else build_policy(model_seed)
     start = copy.deepcopy(model)
     values = dict(
         output_dir=str(output_dir),
@@ -84,11 +95,16 @@ def run_grpo(output_dir, steps: int = 1, reward_funcs=(brevity,), model_seed: in
     )
     values.update(settings)
     trainer = GRPOTrainer(
-        model, list(reward_funcs), GRPOArguments(**values), train_dataset=build_prompts(), processing_class=tokenizer
+        model,
+        list(reward_funcs),
+        GRPOArguments(**values),
+        train_dataset=build_prompts(),
+        processing_class=tokenizer,
+        engine=engine,
     )
     capture = CaptureSteps(trainer)
     trainer.add_callback(capture)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     return trainer, capture, start
 
 

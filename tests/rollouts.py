@@ -41,7 +41,8 @@ def token_logps(model, ids, temperature=1.0) -> torch.Tensor:
 
 
 def per_token_losses(model, row, eps=0.2, eps_high=0.28, beta=0.0, ref_model=None, temperature=1.0) -> torch.Tensor:
-    """The clipped surrogate (+ beta x k3 KL) of each completion token of one row, written out by hand."""
+    """The clipped surrogate (x the row's importance weight, + beta x k3 KL) of each completion token of one row,
+    written out by hand."""
     labels = torch.tensor(row["labels"][1:])
     completion = labels != -100
     logp = token_logps(model, row["input_ids"], temperature)[completion]
@@ -49,6 +50,8 @@ def per_token_losses(model, row, eps=0.2, eps_high=0.28, beta=0.0, ref_model=Non
     ratio = torch.exp(logp - old)
     a = row["advantages"]
     loss = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps, 1 + eps_high) * a)
+    if "importance_weights" in row:  # the sampler's mismatch corrected: a fixed weight per token (not on the KL)
+        loss = loss * torch.tensor(row["importance_weights"][1:])[completion]
     if beta:
         if "ref_logps" in row:
             ref = torch.tensor(row["ref_logps"][1:])[completion]

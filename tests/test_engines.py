@@ -120,6 +120,17 @@ def test_fsdp2_through_the_loop_helper_is_exact_with_the_fused_loss(fsdp2, case)
     assert_exact(fsdp2["cases"][case])
 
 
+@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+def test_a_vllm_engine_gets_the_whole_weights_of_a_sharded_policy(request, engine):
+    """The weights a colocated vLLM engine is given (hfacc.generation.vllm_engine.get_engine_weights): gathered from
+    ZeRO-3's partitions and FSDP2's shards, every name and shape of the architecture, the values exactly."""
+    results = request.getfixturevalue(engine)
+    cases = {n: c for n, c in results["cases"].items() if "engine_weights" in c and ("loop" in n or engine == "zero3")}
+    assert len(cases) >= 2, sorted(results["cases"])
+    for name, case in cases.items():
+        assert case["engine_weights"]["error"] == 0 and case["engine_weights"]["tensors"] >= 11, name
+
+
 def test_fsdp2_fused_and_plain_paths_agree(fsdp2):
     assert_exact(fsdp2["cases"]["loop full-shard plain"], fused=False)
     assert fsdp2["fused_vs_plain"] <= GRAD_TOL

@@ -6,6 +6,7 @@ online first step) run in one launch of tests/policy_gradient_check.py.
 """
 
 import json
+import logging
 import math
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 from hfacc import DataCollatorForCausalLM, GRPOArguments, PolicyGradientObjective
 from hfacc.data.embedded import TASKS
 from hfacc.generation.rollout import RewardFunctionError, group_advantages, score_completions
+from hfacc.generation.vllm_engine import is_vllm_available
 from hfacc.ops.loss import WindowCounts
 from tests.grpo_setup import build_prompts, rollout_rows, run_grpo
 from tests.helpers import ROOT, flat_grad, free_port, relative_error
@@ -90,6 +92,42 @@ def test_a_generation_for_two_steps_divides_each_by_its_own_units(tmp_path):
     assert second["num_completions"] == 8 and second["clip_ratio/region_mean"] > 0.1
 
 
+def test_a_resumed_run_goes_on_with_the_prompts_after_its_checkpoint(tmp_path, caplog):
+    """Checkpoint at step 2 of 4 (a generation per step): the resumed run samples only steps 3 and 4's generations,
+    from the same prompts, with the checkpoint's RNG: the same completions and the same weights as the run that went
+    on (1e-6), and it says that no rollout is sampled again. (Before, its prompts started again at the epoch's first.)"""
+    settings = dict(steps=4, save_strategy="steps", save_steps=2, learning_rate=1e-2, train_sampling_strategy="random")
+    full, whole, _ = run_grpo(tmp_path, **settings)
+    caplog.set_level(logging.WARNING, logger="hfacc")
+    resumed, again, _ = run_grpo(tmp_path, resume_from_checkpoint=str(tmp_path / "checkpoint-2"), **settings)
+    assert len(again.rollouts) == 2  # steps 3 and 4: generations 1 and 2 are not sampled again
+    for mine, theirs in zip(again.rollouts, whole.rollouts[2:], strict=True):
+        assert [r["input_ids"] for r in mine.rows] == [r["input_ids"] for r in theirs.rows]
+    for a, b in zip(resumed.model.parameters(), full.model.parameters(), strict=True):
+        assert relative_error(a.detach().flatten(), b.detach().flatten()) <= 1e-6
+    said = [r.getMessage() for r in caplog.records if "resumed at step 2" in r.getMessage()]
+    assert len(said) == 1 and "generation 3 of" in said[0] and "no rollout is sampled again" in said[0], said
+
+
+def test_a_resumed_run_says_which_rollout_it_samples_again(tmp_path, caplog):
+    """One generation serves two steps: a checkpoint after step 1 cuts it. Its rollout is not in the checkpoint, so
+    the resumed run samples those prompts again, from the resumed policy, trains the rollout's last 2 micro-batches as
+    step 2, and says so."""
+    settings = dict(
+        steps=2, steps_per_generation=4, save_strategy="steps", save_steps=1, train_sampling_strategy="random"
+    )
+    _, whole, _ = run_grpo(tmp_path, **settings)
+    caplog.set_level(logging.WARNING, logger="hfacc")
+    resumed, again, _ = run_grpo(tmp_path, resume_from_checkpoint=str(tmp_path / "checkpoint-1"), **settings)
+    assert resumed.state.global_step == 2 and len(again.rollouts) == 1
+    prompts = sorted(str(r["input_ids"][: r["labels"].count(-100)]) for r in again.rollouts[0].rows)
+    assert prompts == sorted(str(r["input_ids"][: r["labels"].count(-100)]) for r in whole.rollouts[0].rows)
+    said = [r.getMessage() for r in caplog.records if "resumed at step 1" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "cut generation 1 of" in said[0] and "after 2 of its 4 micro-batches" in said[0]
+    assert "sampled again" in said[0] and "last 2 micro-batches of the new rollout are trained" in said[0]
+
+
 def test_a_reward_function_that_fails_is_named_with_its_row(tmp_path):
     prompts = build_prompts()
     target = prompts[1]["answer"]  # the first generation batch holds rows 0 and 1 (sequential order)
@@ -134,6 +172,40 @@ def test_group_advantages():
     scaled = group_advantages(rewards, 2, "group")
     assert scaled[0].item() == pytest.approx(0.5 / (2**0.5 / 2 + 1e-4)) and scaled[2] == 0
     assert group_advantages(rewards, 2, "batch")[4].item() == pytest.approx(1.0 / (rewards.std().item() + 1e-4))
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"vllm_gpu_memory_utilization": 0.0}, r"vllm_gpu_memory_utilization=0.0: .* in \(0, 1\]"),
+        ({"vllm_gpu_memory_utilization": 1.5}, r"vllm_gpu_memory_utilization=1.5"),
+        ({"vllm_tensor_parallel_size": 2}, r"vllm_tensor_parallel_size=2: this process has a CPU \(one device\)"),
+        ({"vllm_enable_sleep_mode": True}, "vLLM has no sleep mode on a CPU"),
+        ({"vllm_mode": "server"}, "vllm_mode='server'"),
+        ({"vllm_importance_sampling_mode": "tis"}, "vllm_importance_sampling_mode='tis'"),
+        ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.0}, "must be below"),
+    ],
+)
+def test_vllm_settings_are_checked_before_training(tmp_path, settings, message):
+    """Each bad vLLM setting is one named error when the settings are made, on a machine without vLLM too."""
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_cpu=True)
+    with pytest.raises(ValueError, match=message):
+        GRPOArguments(**values, use_vllm=True, **settings)
+    if not any(k.startswith("vllm_importance") for k in settings):  # unused without use_vllm: not refused
+        GRPOArguments(**values, **settings)
+
+
+@pytest.mark.skipif(is_vllm_available(), reason="vLLM is installed here: the error is for environments without it")
+def test_use_vllm_without_vllm_is_one_named_error(tmp_path):
+    with pytest.raises(ValueError, match=r"use_vllm=True needs vLLM, which is not installed .*docs/vllm.md"):
+        GRPOArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, use_vllm=True)
+
+
+def test_trls_former_cap_sets_the_upper_bound(tmp_path):
+    args = GRPOArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, vllm_importance_sampling_cap=2.0
+    )
+    assert args.vllm_importance_sampling_clip_max == 2.0
 
 
 @pytest.mark.parametrize(

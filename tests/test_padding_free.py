@@ -1,5 +1,6 @@
 """Padding-free micro-batches: the same sequences in one row, the same targets, the same gradient as padded."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -217,14 +218,10 @@ def test_a_transformers_collator_padding_either_side_with_lora_and_checkpointing
                 p.normal_(std=0.02)
     reference, _, _ = full_batch_causal_lm(model, examples)
     collator = T.DataCollatorForSeq2Seq(word_tokenizer(padding_side), padding=True)
-    args = train_args(
-        tmp_path,
-        4,
-        2,
-        args_class=TokenWeightedArguments,
-        activation_checkpointing=True,
-        activation_checkpointing_kwargs={"use_reentrant": False},
-    )
+    # Newer transformers renamed gradient_checkpointing (kept as a deprecated alias); 5.19 (vLLM's) has the old name.
+    name = next(f.name for f in dataclasses.fields(TokenWeightedArguments) if f.name.endswith("_checkpointing"))
+    checkpointing = {name: True, f"{name}_kwargs": {"use_reentrant": False}}
+    args = train_args(tmp_path, 4, 2, args_class=TokenWeightedArguments, **checkpointing)
     trainer, capture = run_trainer(TokenWeightedTrainer, model, examples, args, collator)
     assert model.get_base_model().model.gradient_checkpointing
     assert trainer.padding_free and trainer.objective.fused  # the fused loss takes the unpadded row

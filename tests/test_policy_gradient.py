@@ -25,9 +25,11 @@ from hfacc import (
 from hfacc.data.padding_free import remove_padding
 from hfacc.objectives import SetupContext
 from hfacc.objectives.policy_gradient import (
+    IMPORTANCE_SAMPLING_MODES,
     LOSS_TYPES,
     clipped_surrogate_loss,
     get_aligned_values,
+    importance_sampling_weights,
     k3_kl,
     normalize_policy_loss,
     policy_gradient_sums,
@@ -107,6 +109,34 @@ def test_the_step_normalizer_is_split_invariant_and_the_micro_batch_mean_is_not(
         assert abs(sum(own) / 4 - want) > 1e-3 * abs(want)
 
 
+def test_importance_sampling_weights_by_mode():
+    """TRL's four modes, by hand: rho = exp(old - sampler) per token or summed per completion, then truncated to
+    [C_min, C_max] or zeroed outside it."""
+    old = torch.tensor([-1.0, -2.0, -0.5, -3.0])
+    sampler = torch.tensor([-1.5, -1.0, -0.5, -3.1])  # d = 0.5, -1.0, 0.0, 0.1
+    rows = torch.tensor([0, 0, 1, 1])
+    e = math.exp
+    cases = {
+        ("token_truncate", 0.5, 1.5): [1.5, 0.5, 1.0, e(0.1)],
+        ("token_mask", 0.5, 1.5): [0.0, 0.0, 1.0, e(0.1)],
+        ("sequence_truncate", None, 0.9): [e(-0.5), e(-0.5), 0.9, 0.9],
+        ("sequence_mask", 0.7, 3.0): [0.0, 0.0, e(0.1), e(0.1)],
+    }
+    for (mode, low, high), want in cases.items():
+        weights, ratios = importance_sampling_weights(old, sampler, rows, 2, mode, low, high)
+        assert torch.allclose(weights, torch.tensor(want)), mode
+        assert ratios.numel() == (2 if mode.startswith("sequence") else 4)
+    weights, _ = importance_sampling_weights(old, old, rows, 2, "sequence_mask")  # in step: all 1
+    assert weights.tolist() == [1.0] * 4
+    # A completion without tokens (row 2 of 3) has no ratio; a token the sampler could not score (NaN) counts as 1.
+    _, ratios = importance_sampling_weights(old, sampler, rows, 3, "sequence_mask", None, None)
+    assert ratios.numel() == 2
+    weights, _ = importance_sampling_weights(old[:1], torch.tensor([math.nan]), rows[:1], 1, "token_mask")
+    assert weights.tolist() == [1.0]
+    with pytest.raises(ValueError, match="importance sampling mode 'tis'"):
+        importance_sampling_weights(old, sampler, rows, 2, "tis")
+
+
 def test_old_logps_are_read_where_the_labels_are_after_the_shift():
     labels = torch.tensor([[-100, -100, 7, 8, -100]])  # completion tokens at 2 and 3, predicted by positions 1 and 2
     values = torch.tensor([[0.0, 0.0, -1.5, -2.5, 0.0]])  # aligned with labels: values[t] belongs to token t
@@ -162,6 +192,35 @@ def test_every_split_and_layout_gives_the_big_batch(setup, loss_type, beta):
         objective.fused = layout != "padded"  # chunked log-probs where padding-free, full logits where padded
         error = relative_error(accumulate(model, objective, rows, bs, ga, layout), want)
         assert error <= 1e-6, (bs, ga, layout, error)
+
+
+@pytest.mark.parametrize("mode", IMPORTANCE_SAMPLING_MODES)
+def test_importance_weighted_rollouts_give_the_big_batch_under_every_split(setup, mode):
+    """The sampler's mismatch corrected (a vLLM rollout): its log-probs fixed with the rollout, the importance weights
+    are data, so every split and layout still gives the hand-written big batch; leaving them out does not."""
+    model, ref, rows, _ = setup
+    generator = torch.Generator().manual_seed(7)
+    weighted = []
+    for row in rows:
+        p = sum(1 for y in row["labels"] if y == -100)
+        old = torch.tensor(row["old_logps"][p:])
+        sampler = old + 0.3 * torch.randn(old.shape, generator=generator)  # the sampler's, a little off
+        weights, _ = importance_sampling_weights(old, sampler, torch.zeros(len(old), dtype=torch.long), 1, mode,
+                                                 0.5, 2.0)  # fmt: skip
+        weighted.append({**row, "importance_weights": [0.0] * p + weights.tolist()})
+    assert any(0 < w != 1 for r in weighted for w in r["importance_weights"][1:]), "the weights must matter"
+    for loss_type, beta in (("token", 0.0), ("sequence", BETA)):
+        want, _ = reference_gradient(model, weighted, loss_type, eps=EPS, eps_high=EPS_HIGH, beta=beta,
+                                     ref_model=ref, max_completion_length=L)  # fmt: skip
+        objective = objective_for(loss_type, beta, ref)
+        # The weights are data whatever the mode: every split for TRL's default mode, a ragged one for the others.
+        splits = SPLITS if mode == "sequence_mask" else [(3, 3)]
+        for (bs, ga), layout in itertools.product(splits, ["padded", "packed rows"]):
+            objective.fused = layout != "padded"
+            error = relative_error(accumulate(model, objective, weighted, bs, ga, layout), want)
+            assert error <= 1e-6, (loss_type, bs, ga, layout, error)
+        unweighted = relative_error(accumulate(model, objective, rows, 2, 4, "padded"), want)
+        assert unweighted > 1e-3, unweighted  # negative control: the weights change the step
 
 
 def test_the_rollout_clips_on_both_sides(setup):

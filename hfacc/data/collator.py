@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 # Entries of policy-gradient rollout rows (hfacc.PolicyGradientObjective) the collator carries: one float per row, and
 # per-token floats aligned with input_ids.
 ROW_FLOATS = ("advantages",)
-TOKEN_FLOATS = ("old_logps", "ref_logps")
+TOKEN_FLOATS = ("old_logps", "ref_logps", "importance_weights")
 # Stored teacher log-probs of distillation (hfacc.precompute_teacher_logprobs, Axolotl's columns): per token a [K] list
 # of token ids and one of log-probs, row t the teacher's distribution of token t.
 TEACHER_COLUMNS = ("target_token_ids", "target_logprobs")
@@ -35,8 +35,9 @@ class DataCollatorForCausalLM:
 
     Examples keep their ``labels``; an example without labels is trained on every token (``labels = input_ids``).
     Policy-gradient rollout rows also keep ``advantages`` (one float per row, ``[B]``) and ``old_logps`` /
-    ``ref_logps`` (one float per token, padded with 0: ``[B, T]``); distillation rows their stored teacher top-K,
-    ``target_token_ids`` and ``target_logprobs`` (a ``[K]`` list per token, padded with 0: ``[B, T, K]``).
+    ``ref_logps`` / ``importance_weights`` (one float per token, padded with 0: ``[B, T]``); distillation rows their
+    stored teacher top-K, ``target_token_ids`` and ``target_logprobs`` (a ``[K]`` list per token, padded with 0:
+    ``[B, T, K]``).
     Packed rows (examples with ``position_ids``, or with TRL's ``seq_lengths``: the length of each sequence in the
     row) get ``position_ids`` that restart per sequence and no ``attention_mask``: see
     :func:`hfacc.data.batching.pack_examples`. Their targets never cross a sequence boundary

@@ -202,13 +202,13 @@ def build_bpe_tokenizer(
     return tokenizer
 
 
-def build_default_model(tokenizer, hidden_size: int = 256, num_layers: int = 2, seed: int = 0):
+def build_default_model(tokenizer, hidden_size: int = 256, num_layers: int = 2, seed: int = 0, num_heads: int = 4):
     """The tiny Llama of the default run, sized to the tokenizer."""
     model = build_tiny_llama(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         num_layers=num_layers,
-        num_heads=4,
+        num_heads=num_heads,
         seed=seed,
         max_position_embeddings=512,
         tie_word_embeddings=True,

@@ -418,7 +418,9 @@ class DataCollatorForVisionLM:
         self._text = DataCollatorForCausalLM(tokenizer.pad_token_id, pad_to_multiple_of=self.pad_to_multiple_of)
         self._image_ids = torch.tensor(sorted(i for i in self.processor.image_token_ids if i is not None))
         self._type_key = None
-        if getattr(self.processor, "return_mm_token_type_ids", False):  # the model reads them (mrope, Gemma 3)
+        # The model reads them (mrope, Gemma 3) when the processor says so; older transformers has no such
+        # attribute (5.19 has none), and its processors return them, to models that read them, unasked.
+        if getattr(self.processor, "return_mm_token_type_ids", None) is not False:
             out = self.processor(text=["a"])
             self._type_key = next((k for k in ("mm_token_type_ids", "token_type_ids") if k in out), None)
 

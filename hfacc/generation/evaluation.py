@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+from .engine import TransformersEngine
 
 EXACT_MATCH_PATH = Path(__file__).resolve().parents[1] / "metrics" / "exact_match" / "exact_match.py"
 
@@ -16,34 +16,25 @@ def load_exact_match():
     return evaluate.load(str(EXACT_MATCH_PATH))
 
 
-@torch.no_grad()
 def generate_answers(
-    model, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 48, batch_size: int = 32
+    model, tokenizer, conversations: list[list[dict]], max_new_tokens: int = 48, batch_size: int = 32, engine=None
 ):
-    """Greedy answers to ``conversations`` (each ending with a user turn), decoded without special tokens."""
-    was_training, side = model.training, tokenizer.padding_side
-    model.eval()
-    tokenizer.padding_side = "left"  # generation continues from the right edge of every row
-    answers = []
-    try:
-        for i in range(0, len(conversations), batch_size):
-            prompts = [
-                tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                for c in conversations[i : i + batch_size]
-            ]
-            batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(model.device)
-            out = model.generate(
-                **batch,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-            answers += tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    finally:
-        tokenizer.padding_side = side
-        model.train(was_training)
-    return [a.strip() for a in answers]
+    """Greedy answers to ``conversations`` (each ending with a user turn), decoded without special tokens.
+
+    ``engine``: a :class:`hfacc.generation.engine.GenerationEngine` to answer with (vLLM, holding ``model``'s weights:
+    ``engine.update(...)`` first); None: ``model.generate``.
+    """
+    prompt_ids = [
+        tokenizer(
+            tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )["input_ids"]
+        for c in conversations
+    ]
+    if engine is None:
+        answers = TransformersEngine(model, tokenizer).answer(prompt_ids, max_new_tokens, batch_size=batch_size)
+    else:
+        answers = engine.answer(prompt_ids, max_new_tokens)
+    return [a.strip() for a in tokenizer.batch_decode(answers, skip_special_tokens=True)]
 
 
 def exact_match_on_conversations(model, tokenizer, conversations: list[list[dict]], **kwargs) -> tuple[float, list]:

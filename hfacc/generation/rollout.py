@@ -3,8 +3,9 @@
 The pieces of an online policy-gradient step before any gradient (:class:`hfacc.GRPOTrainer` runs them):
 
 1. :func:`get_prompt_ids` — a prompt (text, or chat messages through the tokenizer's chat template) as token ids;
-2. :func:`sample_completions` — ``num_generations`` completions per prompt with transformers ``generate`` (sampling
-   settings, ``max_completion_length``, stop at EOS; no gradient, eval mode);
+2. sampling — ``num_generations`` completions per prompt with the generation engine
+   (:mod:`hfacc.generation.engine`: transformers ``generate``, or vLLM with the sampler's per-token log-probs;
+   sampling settings, ``max_completion_length``, stop at EOS);
 3. :func:`score_completions` — each reward function ``f(prompts, completions, **columns) -> list[float]`` on the
    whole batch; one that raises, returns the wrong number of rewards or a non-finite one is named, with the row;
 4. :func:`group_advantages` — each completion's reward minus its prompt group's mean (optionally over the std);
@@ -25,6 +26,7 @@ from torch import nn
 
 from ..data.formats import DataError
 from ..ops.loss import IGNORE_INDEX
+from .engine import GenerationEngine, SamplingSettings, TransformersEngine, left_pad, sample_completions
 
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -51,62 +53,6 @@ def get_prompt_ids(tokenizer, prompt: Any, max_prompt_length: int | None = None)
     else:
         raise DataError(f"a prompt must be text or a list of chat messages, got {type(prompt).__name__}: {prompt!r}")
     return list(ids[-max_prompt_length:] if max_prompt_length else ids)
-
-
-@dataclass
-class SamplingSettings:
-    """How completions are sampled (transformers ``generate`` settings, TRL's names)."""
-
-    max_completion_length: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-
-
-@torch.no_grad()
-def sample_completions(
-    model: nn.Module, tokenizer, prompt_ids: Sequence[Sequence[int]], settings: SamplingSettings
-) -> tuple[list[list[int]], list[bool]]:
-    """One sampled completion per prompt (repeat a prompt to get several): ``(completion ids, truncated flags)``.
-
-    The prompts are left-padded into one batch; ``generate`` runs in eval mode without gradient and stops each row at
-    the tokenizer's EOS. A completion keeps its EOS (the policy learns to stop); one that reached
-    ``max_completion_length`` without it is *truncated*.
-    """
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    if eos is None or pad is None:
-        raise ValueError("sampling completions needs a tokenizer with an EOS and a pad token")
-    width = max(len(p) for p in prompt_ids)
-    device = next(model.parameters()).device
-    ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for i, p in enumerate(prompt_ids):  # left padding: every row's completion starts at column `width`
-        ids[i, width - len(p) :] = torch.tensor(list(p))
-        mask[i, width - len(p) :] = 1
-    was_training = model.training
-    model.eval()
-    try:
-        out = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            do_sample=True,
-            max_new_tokens=settings.max_completion_length,
-            temperature=settings.temperature,
-            top_p=settings.top_p,
-            top_k=settings.top_k,  # 0: no top-k (the model's generation_config would otherwise say 50)
-            repetition_penalty=settings.repetition_penalty,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )
-    finally:
-        model.train(was_training)
-    completions, truncated = [], []
-    for row in out[:, width:].tolist():
-        end = row.index(eos) + 1 if eos in row else len(row)
-        completions.append(row[:end])
-        truncated.append(eos not in row)
-    return completions, truncated
 
 
 def get_reward_name(func: Callable) -> str:
@@ -223,6 +169,8 @@ class Rollout:
         rewards: ``[N, F]`` per reward function (unweighted); ``total`` ``[N]`` the weighted sum.
         completion_lengths: tokens per completion (EOS included); ``truncated``: without EOS.
         seconds: wall time of the generation alone (sampling, not scoring).
+        sampler_logps: the sampler's log-prob of each completion token (one list per row), when the engine is not
+            the policy itself (vLLM); None otherwise.
     """
 
     rows: list[dict[str, Any]]
@@ -233,10 +181,11 @@ class Rollout:
     num_generations: int
     seconds: float
     completions: list[Any] = field(default_factory=list)
+    sampler_logps: list[list[float]] | None = None
 
 
 def build_rollout(
-    model: nn.Module,
+    model: nn.Module | GenerationEngine,
     tokenizer,
     prompt_rows: Sequence[Mapping[str, Any]],
     reward_funcs: Sequence[Callable],
@@ -247,9 +196,13 @@ def build_rollout(
     scale_rewards: str = "group",
     max_prompt_length: int | None = None,
     row_names: Sequence[str] | None = None,
+    seed: int | None = None,
 ) -> Rollout:
     """Sample ``num_generations`` completions for each prompt row (a ``"prompt"`` column: text or messages), score
     them and give each its group advantage: steps 1-5 of the module docstring.
+
+    ``model`` samples with its own ``generate``; a :class:`~hfacc.generation.engine.GenerationEngine` (vLLM) samples
+    instead, ``seed`` seeding its requests (it must hold the weights to sample from: ``engine.update(...)``).
 
     Reward functions get the prompts and completions as the dataset holds them (chat prompts: completions as
     ``[{"role": "assistant", "content": text}]``, as TRL passes them) and every other column of the prompt rows.
@@ -266,9 +219,11 @@ def build_rollout(
             for key, value in row.items():
                 if key != "prompt":
                     columns.setdefault(key, []).append(value)
+    engine = model if isinstance(model, GenerationEngine) else TransformersEngine(model, tokenizer)
     start = time.perf_counter()
-    completion_ids, truncated = sample_completions(model, tokenizer, ids, settings)
+    samples = engine.sample(ids, settings, seed=seed)
     seconds = time.perf_counter() - start
+    completion_ids, truncated = samples.completion_ids, samples.truncated
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     completions = [
         [{"role": "assistant", "content": text}] if is_conversational(p) else text
@@ -289,6 +244,7 @@ def build_rollout(
         num_generations=num_generations,
         seconds=seconds,
         completions=completions,
+        sampler_logps=samples.logps,
     )
 
 
@@ -306,6 +262,7 @@ __all__ = [
     "get_reward_name",
     "group_advantages",
     "is_conversational",
+    "left_pad",
     "sample_completions",
     "score_completions",
 ]

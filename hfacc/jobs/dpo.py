@@ -37,6 +37,7 @@ from ..data.preference import (
 )
 from ..generation.evaluation import exact_match_by_group, exact_match_on_conversations, generate_answers
 from ..generation.rollout import SamplingSettings, get_prompt_ids, sample_completions
+from ..generation.vllm_engine import VLLMArguments, build_generation_engine, check_vllm_settings
 from ..models.loading import ModelArguments, get_tokenizer, load_causal_lm, load_model_and_tokenizer
 from ..models.reference import precompute_reference_logps
 from ..objectives.preference import LOSS_TYPES, DPOObjective
@@ -157,8 +158,9 @@ class ReferenceJobArguments(PreferenceJobArguments):
 
 
 @dataclass
-class DPOArguments(ReferenceJobArguments):
-    """The preference objective and the job's own settings (TRL's names where TRL has them)."""
+class DPOArguments(ReferenceJobArguments, VLLMArguments):
+    """The preference objective and the job's own settings (TRL's names where TRL has them); ``use_vllm`` (and the
+    engine's :class:`hfacc.generation.vllm_engine.VLLMArguments`) answers the held-out prompts with vLLM."""
 
     beta: float = field(default=0.1, metadata={"help": "The loss's temperature (DPO's beta; IPO's tau)."})
     loss_type: str = field(
@@ -179,6 +181,7 @@ class DPOArguments(ReferenceJobArguments):
     simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO's target reward margin gamma."})
 
     def __post_init__(self):
+        check_vllm_settings(self)
         if self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r}: use one of {list(LOSS_TYPES)}.")
         if not self.beta > 0:
@@ -253,10 +256,16 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
             + (f", nll_weight {dpo_args.nll_weight}" if dpo_args.nll_weight else "")
         )
     conversations = held_out[: dpo_args.num_exact_match_examples]
-    exact_before = exact_match(trainer, tokenizer, conversations, dpo_args, "before training")
+    engine = None
+    if conversations and dpo_args.use_vllm:  # every process builds its engine together; the main one answers
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        engine = build_generation_engine(dpo_args, policy, tokenizer, trainer.accelerator, seed=args.seed)
+    exact_before = exact_match(trainer, tokenizer, conversations, dpo_args, "before training", engine)
     before, train_result, after = train_between_evaluations(trainer, resume)
     step = trainer.state.global_step
-    exact_after = exact_match(trainer, tokenizer, conversations, dpo_args, "after training")
+    if engine is not None:  # the trained weights (on every process: a sharded policy is gathered for the copy)
+        engine.update(trainer.accelerator.unwrap_model(trainer.model), version=step)
+    exact_after = exact_match(trainer, tokenizer, conversations, dpo_args, "after training", engine)
     trainer.save_model()
     metrics = {
         "train": train_result.metrics,
@@ -339,13 +348,19 @@ def load_preference_rows(job_args: PreferenceJobArguments, model, tokenizer, arg
     return raw_train, raw_eval, conversations_of(raw_eval)
 
 
-def exact_match(trainer, tokenizer, conversations, dpo_args, when: str):
-    """``(score, samples, by task)`` of greedy answers to held-out ``conversations`` (rank 0 only; None: skipped)."""
+def exact_match(trainer, tokenizer, conversations, dpo_args, when: str, engine=None):
+    """``(score, samples, by task)`` of greedy answers to held-out ``conversations`` (rank 0 only; None: skipped),
+    answered by ``engine`` (vLLM, holding the policy's weights) when given."""
     if not conversations or not trainer.is_world_process_zero():
         return None
-    write(f"exact match {when}: answering {len(conversations)} held-out prompts greedily")
+    on = " (vLLM)" if engine is not None else ""
+    write(f"exact match {when}: answering {len(conversations)} held-out prompts greedily{on}")
     score, samples = exact_match_on_conversations(
-        trainer.model, tokenizer, [c["messages"] for c in conversations], max_new_tokens=dpo_args.max_new_tokens
+        trainer.model,
+        tokenizer,
+        [c["messages"] for c in conversations],
+        max_new_tokens=dpo_args.max_new_tokens,
+        engine=engine,
     )
     tasks = [c.get("task") or "all" for c in conversations]
     rows = [

@@ -123,8 +123,10 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
     job = pick_tasks(job, model, tokenizer, funcs, args)  # tasks 'auto': where the policy's samples disagree
     train_prompts, eval_prompts = build_prompts(job, args.seed)
     main_process = args.process_index == 0
-    before = evaluate_policy(model, tokenizer, eval_prompts, funcs, args) if main_process else None
     trainer = GRPOTrainer(model, funcs, args, train_dataset=train_prompts, processing_class=tokenizer)
+    # With vLLM the held-out prompts are answered by the trainer's engine too (built here, on every process at once).
+    engine = trainer.engine if args.use_vllm else None
+    before = evaluate_policy(model, tokenizer, eval_prompts, funcs, args, engine=engine) if main_process else None
     use_console(trainer)
     if main_process:
         per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
@@ -136,13 +138,18 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
         )
         write(
             f"batch  {per_step} completions per step ({args.num_generations} per prompt) x {args.world_size} "
-            f"process(es); loss_type {args.loss_type!r}"
+            f"process(es); loss_type {args.loss_type!r}; sampled with "
+            + ("vLLM (colocate: an engine in each process)" if args.use_vllm else "transformers generate")
         )
         if before is not None:
             em = f"  exact match {before['exact_match']:.3f}" if "exact_match" in before else ""
             write(f"eval   before: reward {before['reward']:.3f}{em}  ({len(eval_prompts)} held-out prompts)")
     result = trainer.train()
-    after = evaluate_policy(trainer.model, tokenizer, eval_prompts, funcs, args) if main_process else None
+    if engine is not None:  # the trained weights (on every process: a sharded policy is gathered for the copy)
+        engine.update(trainer.accelerator.unwrap_model(trainer.model), version=trainer.state.global_step)
+    after = (
+        evaluate_policy(trainer.model, tokenizer, eval_prompts, funcs, args, engine=engine) if main_process else None
+    )
     trainer.save_model()
     history = trainer.state.log_history
     rewards = [h["reward"] for h in history if "reward" in h]
@@ -303,21 +310,27 @@ def _load_prompts(name: str, split: str):
     return datasets.load_dataset(name, split=split)
 
 
-def evaluate_policy(model, tokenizer, prompts, funcs, args: GRPOArguments, samples: int = 4) -> dict[str, Any] | None:
+def evaluate_policy(
+    model, tokenizer, prompts, funcs, args: GRPOArguments, samples: int = 4, engine=None
+) -> dict[str, Any] | None:
     """The held-out prompts' mean reward over ``samples`` completions each, sampled as training samples them (same
-    temperature, seeded), and the exact match of greedy answers (the SFT recipe's measure)."""
+    temperature, seeded), and the exact match of greedy answers (the SFT recipe's measure); sampled and answered by
+    ``engine`` (vLLM, holding ``model``'s weights) when given, else by ``model.generate``."""
     if len(prompts) == 0:
         return None
     rows = list(prompts)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed + 1)
         settings = SamplingSettings(args.max_completion_length, args.temperature, args.top_p, args.top_k)
-        rollout = build_rollout(model, tokenizer, rows, funcs, num_generations=samples, settings=settings,
-                                reward_weights=args.reward_weights, max_prompt_length=args.max_prompt_length)  # fmt: skip
+        rollout = build_rollout(engine or model, tokenizer, rows, funcs, num_generations=samples, settings=settings,
+                                reward_weights=args.reward_weights, max_prompt_length=args.max_prompt_length,
+                                seed=args.seed + 1)  # fmt: skip
     result = {"reward": rollout.total.mean().item(), "samples_per_prompt": samples}
     if "answer" in prompts.column_names:
         conversations = [p if is_conversational(p) else [{"role": "user", "content": p}] for p in prompts["prompt"]]
-        answers = generate_answers(model, tokenizer, conversations, max_new_tokens=args.max_completion_length)
+        answers = generate_answers(
+            model, tokenizer, conversations, max_new_tokens=args.max_completion_length, engine=engine
+        )
         pairs = [(None, str(r).strip(), a) for r, a in zip(prompts["answer"], answers, strict=True)]
         result["exact_match"] = sum(r == a for _, r, a in pairs) / len(pairs)
         if "task" in prompts.column_names:

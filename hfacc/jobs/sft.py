@@ -26,8 +26,9 @@ from ..data.collator import DataCollatorForCausalLM
 from ..data.sft import DataArguments, build_datasets
 from ..data.vision import DataCollatorForVisionLM, exact_match_on_vision_rows, is_vision_processor
 from ..generation.evaluation import exact_match_by_group, exact_match_on_conversations
+from ..generation.vllm_engine import VLLMArguments, build_generation_engine, check_vllm_settings
 from ..models.loading import ModelArguments, load_model_and_tokenizer
-from ..runtime.config import get_default_config
+from ..runtime.config import ConfigError, get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import get_run_settings, prepare_run
 from ..training.trainer import TokenWeightedTrainer
@@ -39,14 +40,18 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "
 
 
 @dataclass
-class SFTArguments:
-    """Settings of the SFT job beyond the model, the data and the Trainer."""
+class SFTArguments(VLLMArguments):
+    """Settings of the SFT job beyond the model, the data and the Trainer; ``use_vllm`` (and the engine's
+    :class:`hfacc.generation.vllm_engine.VLLMArguments`) answers the held-out prompts with vLLM."""
 
     num_exact_match_examples: int = field(
         default=64, metadata={"help": "Held-out conversations answered greedily for exact match (0: skip)."}
     )
     max_new_tokens: int = field(default=48, metadata={"help": "Longest generated answer for exact match."})
     pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Round padded lengths up to this."})
+
+    def __post_init__(self):
+        check_vllm_settings(self)
 
 
 def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArguments, args: TokenWeightedArguments):
@@ -56,6 +61,11 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
     # A bad checkpoint or output directory fails now, before the model loads (the trainer checks again).
     resume = prepare_run(args, get_run_settings(args, data_args.streaming), args.resume_from_checkpoint)
     model, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
+    if sft_args.use_vllm and is_vision_processor(tokenizer):
+        raise ConfigError(
+            "--use_vllm answers text prompts; a vision-language model's held-out answers (with their images) use "
+            "transformers' generate: drop --use_vllm."
+        )
     with args.main_process_first(desc="dataset tokenization"):
         train_ds, eval_ds, raw_eval = build_datasets(data_args, tokenizer, seed=args.seed)
     if is_vision_processor(tokenizer):  # a vision-language model: its processor decodes the images per batch
@@ -95,17 +105,27 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         "steps": trainer.state.global_step,
         "world_size": args.world_size,
     }
+    answering = bool(sft_args.num_exact_match_examples) and "messages" in raw_eval.column_names
+    engine = None
+    if answering and sft_args.use_vllm:  # every process builds its engine together; the main one answers
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        engine = build_generation_engine(sft_args, policy, tokenizer, trainer.accelerator, seed=args.seed)
     if trainer.is_world_process_zero():
-        if sft_args.num_exact_match_examples and "messages" in raw_eval.column_names:
+        if answering:
             count = min(sft_args.num_exact_match_examples, len(raw_eval))
-            write(f"exact match: answering {count} held-out prompts greedily")
+            on = " (vLLM)" if engine is not None else ""
+            write(f"exact match: answering {count} held-out prompts greedily{on}")
             if is_vision_processor(tokenizer):  # with each prompt's images
                 score, samples = exact_match_on_vision_rows(
                     trainer.model, tokenizer, raw_eval.select(range(count)), max_new_tokens=sft_args.max_new_tokens
                 )
             else:
                 score, samples = exact_match_on_conversations(
-                    trainer.model, tokenizer, raw_eval["messages"][:count], max_new_tokens=sft_args.max_new_tokens
+                    trainer.model,
+                    tokenizer,
+                    raw_eval["messages"][:count],
+                    max_new_tokens=sft_args.max_new_tokens,
+                    engine=engine,
                 )
             metrics["exact_match"] = score
             metrics["samples"] = [

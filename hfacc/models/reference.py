@@ -25,7 +25,7 @@ import contextlib
 import copy
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -274,13 +274,37 @@ def _copy_shards(module: nn.Module, base: nn.Module) -> None:
 @torch.no_grad()
 def _gather_into(module: nn.Module, base: nn.Module) -> None:
     """ZeRO-3: each of ``base``'s parameters, gathered whole for the copy and released again, into ``module``."""
-    import deepspeed
-
     mine = dict(module.named_parameters())
-    for name, p in base.named_parameters():
-        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-            mine[name].copy_(p.data)
+    for name, tensor in iter_full_parameters(base):
+        mine[name].copy_(tensor)
     _copy_buffers(module, base)
+
+
+@torch.no_grad()
+def iter_full_parameters(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, whole tensor)`` of each of ``module``'s parameters, in order, however they are sharded.
+
+    DeepSpeed ZeRO-3 parameters are gathered one at a time (``GatheredParameters``) and released once the consumer
+    asks for the next, so use each tensor before then (or copy it); FSDP2's DTensors are gathered
+    (``full_tensor``); anything else is its own tensor. Gathering is a collective: every rank iterates together, in
+    the same order. FSDP v1's flattened parameters are refused.
+    """
+    engine = sharded_engine(module)
+    if engine == "FSDP":
+        raise NotImplementedError("hfacc: FSDP v1 flattens parameters; use FSDP2 (fsdp_version: 2).")
+    if engine == "DeepSpeed ZeRO-3":
+        import deepspeed
+
+        for name, p in module.named_parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                yield name, p.data
+        return
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch < 2.5
+        DTensor = ()
+    for name, p in module.named_parameters():
+        yield name, (p.full_tensor() if DTensor and isinstance(p, DTensor) else p).detach()
 
 
 def _copy_buffers(module: nn.Module, base: nn.Module) -> None:
@@ -396,6 +420,7 @@ __all__ = [
     "build_reference_model",
     "build_sharded_reference",
     "copy_initial_policy",
+    "iter_full_parameters",
     "sharded_engine",
     "reshard",
     "unwrap_model",

@@ -13,12 +13,18 @@ by the loss type's unit, counted the same way:
 - ``"sequence"`` (GRPO): ``sum_b mean_{t in b} l_t / N_completions``;
 - ``"dr_grpo"``: ``sum_t l_t / (N_completions * max_completion_length)``.
 
+A rollout sampled by another engine than the trained model (vLLM) may carry ``importance_weights``: one fixed weight
+``w_t`` per completion token, the importance-sampling correction of the sampler's mismatch
+(:func:`importance_sampling_weights`); then ``l_t = -w_t min(r_t A, clip(r_t) A) (+ beta KL_t)``. The weights are
+data, fixed before the first backward, so the step stays exact over the same units.
+
 The unit exists only after the rollout and a rollout is split over micro-batches, ranks and optimizer steps, so this
 is the method's best-known bug class (normalizing by each micro-batch's own tokens: 0.59 relative error at bs 2 x
 GA 4 on a fixed rollout, notebook 07). Here the window counts the units before the first backward, as for SFT.
 
-The math is in pure functions (:func:`clipped_surrogate_loss`, :func:`k3_kl`, :func:`policy_gradient_sums`,
-:func:`normalize_policy_loss`); :class:`PolicyGradientObjective` reads a batch and routes them.
+The math is in pure functions (:func:`clipped_surrogate_loss`, :func:`k3_kl`, :func:`importance_sampling_weights`,
+:func:`policy_gradient_sums`, :func:`normalize_policy_loss`); :class:`PolicyGradientObjective` reads a batch and
+routes them.
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ LOSS_TYPES = ("token", "sequence", "dr_grpo")
 # TRL's names for the same losses: its "dapo" is the token loss, its "grpo" the per-completion mean.
 LOSS_TYPE_ALIASES = {"dapo": "token", "grpo": "sequence"}
 # Batch entries of a rollout that are no model inputs: one float per row, and per-token floats aligned with labels.
-POLICY_KEYS = ("advantages", "old_logps", "ref_logps")
+POLICY_KEYS = ("advantages", "old_logps", "ref_logps", "importance_weights")
+# TRL's importance-sampling modes (GRPOConfig.vllm_importance_sampling_mode): {token, sequence} x {truncate, mask}.
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def clipped_surrogate_loss(
@@ -84,6 +92,53 @@ def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     """
     delta = ref_logps - logps
     return torch.exp(delta) - delta - 1
+
+
+def importance_sampling_weights(
+    old_logps: torch.Tensor,
+    sampler_logps: torch.Tensor,
+    rows: torch.Tensor,
+    num_rows: int,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's importance-sampling correction of a sampler's mismatch: ``(w, rho)``, the per-token weights ``[N]`` and
+    the ratios per unit of the mode (``[N]`` tokens, or ``[num_rows]`` completions).
+
+    ``old_logps`` are the trained policy's log-probs of the N sampled completion tokens (as it was when they were
+    sampled), ``sampler_logps`` the sampler's (vLLM's), ``rows`` each token's completion. With
+    ``d_t = old_t - sampler_t``:
+
+    - ``"token_*"``: ``rho_t = exp(d_t)``; ``"sequence_*"``: ``rho_b = exp(sum_{t in b} d_t)``, every token of b gets it;
+    - ``"*_truncate"``: ``w = clamp(rho, clip_min, clip_max)``; ``"*_mask"``: ``w = rho`` inside ``[clip_min,
+      clip_max]``, else 0 (the token, or the whole completion, drops out of the loss but still counts in its unit).
+
+    A bound that is None is not applied. ``w`` multiplies each token's clipped surrogate (not the KL term), as in TRL.
+
+    >>> w, rho = importance_sampling_weights(
+    ...     torch.tensor([-1.0, -2.0, -1.0]), torch.tensor([-1.5, -2.0, -1.0]), torch.tensor([0, 0, 1]), 2,
+    ...     "token_truncate", clip_max=1.5)
+    >>> w  # exp(0.5) = 1.65, truncated to 1.5
+    tensor([1.5000, 1.0000, 1.0000])
+    """
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"importance sampling mode {mode!r}: use one of {list(IMPORTANCE_SAMPLING_MODES)}.")
+    delta = (old_logps.double() - sampler_logps.double()).nan_to_num(0.0)  # a token the sampler could not score: 1
+    if mode.startswith("sequence"):
+        ratio = delta.new_zeros(num_rows).index_add(0, rows, delta).exp()
+    else:
+        ratio = delta.exp()
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(low, high)
+    else:
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    weights = ratio[rows] if mode.startswith("sequence") else ratio
+    if mode.startswith("sequence"):
+        ratio = ratio[torch.bincount(rows, minlength=num_rows) > 0]  # completions without tokens have no ratio
+    return weights.to(old_logps.dtype), ratio.to(old_logps.dtype)
 
 
 def policy_gradient_sums(
@@ -168,10 +223,11 @@ class PolicyGradientObjective(Objective):
         temperature: the sampling temperature: log-probs are those of ``logits / temperature``, as sampled.
 
     Rows: ``input_ids``, ``labels`` (-100 outside the completion), ``advantages`` (one float per row: a ``row_keys``
-    entry, kept as it is by the padding-free layout), and optionally ``old_logps`` and ``ref_logps``, aligned with
-    ``labels``: ``old_logps[t]`` is the old policy's log-prob of ``input_ids[t]``, read where ``labels[t] != -100``
-    (absent: the current policy's, detached, so the ratio is 1). :class:`hfacc.DataCollatorForCausalLM` collates
-    them. Units: ``("completion_tokens", "completions")``, counted per window over all ranks.
+    entry, kept as it is by the padding-free layout), and optionally ``old_logps``, ``ref_logps`` and
+    ``importance_weights``, aligned with ``labels``: ``old_logps[t]`` is the old policy's log-prob of ``input_ids[t]``,
+    read where ``labels[t] != -100`` (absent: the current policy's, detached, so the ratio is 1);
+    ``importance_weights[t]`` multiplies token t's clipped surrogate (:func:`importance_sampling_weights`; absent: 1).
+    :class:`hfacc.DataCollatorForCausalLM` collates them. Units: ``("completion_tokens", "completions")``, counted per window over all ranks.
 
     >>> objective = PolicyGradientObjective(loss_type="sequence", epsilon_high=0.28)
     >>> objective.units, objective.epsilon_high
@@ -274,6 +330,9 @@ class PolicyGradientObjective(Objective):
         per_token, low, high = clipped_surrogate_loss(
             logps, old, advantages.to(logps.dtype)[rows], self.epsilon, self.epsilon_high
         )
+        weights = get_aligned_values(batch.get("importance_weights"), result.mask)
+        if weights is not None:  # the sampler's mismatch, corrected (fixed weights: the step stays exact)
+            per_token = per_token * weights.to(per_token.dtype)
         kl = None
         if self.beta > 0:
             ref = get_aligned_values(batch.get("ref_logps"), result.mask)
@@ -410,9 +469,11 @@ __all__ = [
     "PolicyGradientSums",
     "clipped_surrogate_loss",
     "k3_kl",
+    "importance_sampling_weights",
     "policy_gradient_sums",
     "normalize_policy_loss",
     "get_completion_targets",
     "get_aligned_values",
     "LOSS_TYPES",
+    "IMPORTANCE_SAMPLING_MODES",
 ]

@@ -11,9 +11,11 @@ by :class:`hfacc.DistillationObjective`: the window counts the completion tokens
 *generated* ones where the student generated — over its micro-batches and ranks, before the first backward. (TRL's
 GKDTrainer lets the Trainer count the dataset's labels and then replaces them by the generated ones, trl#4719.)
 
-Generation goes through one method, :meth:`DistillationTrainer.sample`, which calls the function GRPOTrainer
-samples with (:func:`hfacc.generation.rollout.sample_completions`): a generation engine given to GRPO (vLLM) is one
-change there for both.
+Generation goes through one method, :meth:`DistillationTrainer.sample`, and GRPO's generation engine
+(:mod:`hfacc.generation.engine`): the student's own ``generate``, or with ``use_vllm=True`` a colocated vLLM engine
+that gets the student's weights before every generation that follows an optimizer step (TRL's settings,
+:class:`hfacc.generation.vllm_engine.VLLMArguments`). The divergence is the teacher's against the student's own
+log-probs of the sampled tokens, so the sampler's log-probs are not used.
 """
 
 from __future__ import annotations
@@ -30,20 +32,23 @@ from torch import nn
 
 from ..data.collator import DataCollatorForCausalLM
 from ..data.formats import DataError
-from ..generation.rollout import SamplingSettings, get_prompt_ids, is_conversational, sample_completions
+from ..generation.engine import GenerationEngine
+from ..generation.rollout import SamplingSettings, get_prompt_ids, is_conversational
+from ..generation.vllm_engine import VLLMArguments, check_vllm_settings
 from ..objectives.distillation import DistillationObjective
 from ..ops.loss import IGNORE_INDEX
 from .arguments import TokenWeightedArguments, convert_arguments
-from .grpo_trainer import RolloutLoader
+from .grpo_trainer import GRPOTrainer, RolloutLoader
 from .trainer import TokenWeightedTrainer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DistillationArguments(TokenWeightedArguments):
+class DistillationArguments(TokenWeightedArguments, VLLMArguments):
     """``TokenWeightedArguments`` plus on-policy distillation's settings (the names of TRL's ``DistillationConfig``
-    and ``GKDConfig``). ``per_device_train_batch_size`` counts prompts (one completion each)."""
+    and ``GKDConfig``; ``use_vllm`` and the engine's, :class:`hfacc.generation.vllm_engine.VLLMArguments`, as GRPO's).
+    ``per_device_train_batch_size`` counts prompts (one completion each)."""
 
     lmbda: float = field(
         default=1.0,
@@ -80,6 +85,7 @@ class DistillationArguments(TokenWeightedArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        check_vllm_settings(self)
         if not 0 <= self.lmbda <= 1:
             raise ValueError(f"lmbda={self.lmbda}: it must be in [0, 1] (the share of on-policy micro-batches).")
         if self.max_completion_length < 1:
@@ -158,6 +164,7 @@ class DistillationTrainer(TokenWeightedTrainer):
             **kwargs,
         )
         self._generations = 0
+        self._engine: GenerationEngine | None = None
         self.generation_meter = GenerationMeter()
         self.generation_seconds = 0.0  # this rank's, over the whole run
         self.last_rows: list[dict[str, Any]] = []  # the latest generation batch's rows, in training order
@@ -167,16 +174,24 @@ class DistillationTrainer(TokenWeightedTrainer):
         """Micro-batches of prompts and completions, one generation batch per optimizer step (GRPO's loader)."""
         return RolloutLoader(self)
 
-    def sample(self, prompt_ids: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[bool]]:
-        """One completion per prompt from the student: ``(completion ids, truncated flags)``. GRPO's sampler
-        (:func:`hfacc.generation.rollout.sample_completions`): the one place generation happens."""
+    # The generation engine: GRPO's (the student's ``generate``, or with ``use_vllm=True`` a colocated vLLM engine,
+    # built on first use on every rank at the same time; one generation per optimizer step here).
+    engine = GRPOTrainer.engine
+
+    def sample(self, prompt_ids: Sequence[Sequence[int]], generation: int = 0) -> tuple[list[list[int]], list[bool]]:
+        """One completion per prompt from the student: ``(completion ids, truncated flags)``, sampled by
+        :attr:`engine` from the student's current weights (the one place generation happens). ``generation`` numbers
+        the generation batch in the run: it seeds the engine's sampling where the engine seeds its own (vLLM)."""
         args = self.args
         settings = SamplingSettings(
             args.max_completion_length, args.temperature, args.top_p, args.top_k, args.repetition_penalty
         )
-        return sample_completions(
-            self.accelerator.unwrap_model(self.model), self.processing_class, prompt_ids, settings
-        )
+        engine = self.engine
+        engine.update(self.accelerator.unwrap_model(self.model), version=self.state.global_step)
+        base_seed = args.data_seed if args.data_seed is not None else args.seed
+        seed = (base_seed * 1_000_003 + generation * 7919 + self.accelerator.process_index * 104_729) % 2**31
+        samples = engine.sample(prompt_ids, settings, seed=seed)
+        return samples.completion_ids, samples.truncated
 
     def on_policy_draws(self, count: int) -> list[bool]:
         """Which of the next ``count`` micro-batches the student generates: seeded, the same on every rank."""
@@ -185,9 +200,10 @@ class DistillationTrainer(TokenWeightedTrainer):
         rng = random.Random(seed)
         return [rng.random() < args.lmbda for _ in range(count)]
 
-    def generate_micro_batches(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+    def generate_micro_batches(self, indices: Sequence[int], generation: int = 0) -> list[dict[str, torch.Tensor]]:
         """The ``gradient_accumulation_steps`` micro-batches of one optimizer step: prompts ``indices``, each
-        micro-batch on-policy (the student's completions) or not (the dataset's), by :meth:`on_policy_draws`."""
+        micro-batch on-policy (the student's completions) or not (the dataset's), by :meth:`on_policy_draws`;
+        ``generation``: the generation batch's number in the run (RolloutLoader's)."""
         args, start = self.args, time.perf_counter()
         size = args.per_device_train_batch_size
         rows = [self.train_dataset[i] for i in indices]
@@ -198,7 +214,7 @@ class DistillationTrainer(TokenWeightedTrainer):
         completions: list[list[int] | None] = [None] * len(rows)
         truncated = 0
         if generated:
-            sampled, cut = self.sample([prompts[i] for i in generated])
+            sampled, cut = self.sample([prompts[i] for i in generated], generation)
             for i, ids, was_cut in zip(generated, sampled, cut, strict=True):
                 completions[i] = ids
                 truncated += was_cut
@@ -241,8 +257,9 @@ class DistillationTrainer(TokenWeightedTrainer):
         super().log(logs, start_time)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """``TokenWeightedTrainer.train``. A resumed run generates anew from its prompts (as GRPOTrainer does): the
-        Trainer's replay of the micro-batches trained before would sample and throw away whole generations."""
+        """``TokenWeightedTrainer.train``. A resumed run goes on with the prompts after its checkpoint, sampled anew
+        (GRPO's loader places itself): the Trainer's replay of the micro-batches trained before would sample and throw
+        away whole generations."""
         skip = self.args.ignore_data_skip
         self.args.ignore_data_skip = True
         try:

@@ -19,6 +19,13 @@ are needed (TRL's rule).
 Each rank samples the completions of its own prompts (a prompt's group never spans ranks), so advantages need no
 communication; the logged rewards, lengths and clip ratios are sums over all ranks and the logging interval, each
 over its own unit.
+
+The sampling goes through the trainer's generation engine (:mod:`hfacc.generation.engine`): the policy's own
+``generate``, or with ``use_vllm=True`` a vLLM engine in each process (:mod:`hfacc.generation.vllm_engine`) that
+gets the policy's weights before every generation that follows an optimizer step. With vLLM the policy's own
+log-probs of the samples are taken right after sampling: their difference from the sampler's is logged
+(``sampling/sampling_logp_difference/*``) and, with the correction on, turned into per-token importance weights
+(TRL's ``vllm_importance_sampling_*``), data of the rows like ``old_logps``, so the step stays exact.
 """
 
 from __future__ import annotations
@@ -34,11 +41,19 @@ from torch import nn
 from transformers import TrainingArguments
 
 from ..data.collator import DataCollatorForCausalLM
+from ..generation.engine import GenerationEngine
 from ..generation.rewards import get_reward_function
 from ..generation.rollout import SCALE_REWARDS, Rollout, SamplingSettings, build_rollout, get_reward_name
-from ..objectives.policy_gradient import LOSS_TYPE_ALIASES, LOSS_TYPES, PolicyGradientObjective
+from ..generation.vllm_engine import VLLMArguments, build_generation_engine, check_vllm_settings
+from ..objectives.policy_gradient import (
+    IMPORTANCE_SAMPLING_MODES,
+    LOSS_TYPE_ALIASES,
+    LOSS_TYPES,
+    PolicyGradientObjective,
+    importance_sampling_weights,
+)
 from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
-from ..ops.loss import shift_labels
+from ..ops.loss import IGNORE_INDEX, shift_labels
 from ..runtime.config import ConfigError
 from .arguments import TokenWeightedArguments, convert_arguments
 from .trainer import TokenWeightedTrainer
@@ -47,8 +62,9 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class GRPOArguments(TokenWeightedArguments):
-    """``TokenWeightedArguments`` plus the rollout and the policy loss (TRL's ``GRPOConfig`` names).
+class GRPOArguments(TokenWeightedArguments, VLLMArguments):
+    """``TokenWeightedArguments`` plus the rollout, the policy loss and generation on vLLM (TRL's ``GRPOConfig``
+    names; :class:`hfacc.generation.vllm_engine.VLLMArguments` for ``use_vllm`` and the engine's settings).
 
     ``per_device_train_batch_size`` counts completions, as in TRL: a rank's generation batch is
     ``per_device_train_batch_size x steps_per_generation`` completions, ``num_generations`` per prompt.
@@ -101,6 +117,31 @@ class GRPOArguments(TokenWeightedArguments):
     reward_weights: list[float] | None = field(
         default=None, metadata={"help": "Weight of each reward function in the total reward (None: all 1)."}
     )
+    vllm_importance_sampling_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "With use_vllm: weigh each completion token's loss by the importance ratio of the trained "
+            "policy to the sampler (vLLM), truncated or masked by vllm_importance_sampling_mode (TRL's correction)."
+        },
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={
+            "help": "'token_truncate' / 'token_mask': a ratio per token, clipped to [clip_min, clip_max] / zero "
+            "outside it; 'sequence_truncate' / 'sequence_mask': one ratio per completion (the product of its "
+            "tokens'), clipped / zero outside.",
+            "choices": list(IMPORTANCE_SAMPLING_MODES),
+        },
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound C_max of the importance ratios (None: none)."}
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound C_min of the importance ratios (None: none)."}
+    )
+    vllm_importance_sampling_cap: float | None = field(
+        default=None, metadata={"help": "TRL's former name of vllm_importance_sampling_clip_max (sets it)."}
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -134,6 +175,8 @@ def validate_grpo_settings(args: GRPOArguments) -> None:
         raise ValueError("normalization='sequence' does not apply to GRPO: set loss_type='sequence' instead.")
     if not args.temperature > 0:
         raise ValueError(f"temperature={args.temperature}: it must be > 0.")
+    check_importance_sampling_settings(args)
+    check_vllm_settings(args)  # last: its own last check is whether vLLM is installed
     # The loss's own checks (epsilon, epsilon_high, beta), here where the settings are made: a job would otherwise
     # meet them only when its trainer is built, after a short SFT and the held-out scoring, as a traceback.
     PolicyGradientObjective(
@@ -144,6 +187,33 @@ def validate_grpo_settings(args: GRPOArguments) -> None:
         max_completion_length=args.max_completion_length,
         temperature=args.temperature,
     )
+
+
+def check_importance_sampling_settings(args: GRPOArguments) -> None:
+    """TRL's checks of the importance-sampling correction (``vllm_importance_sampling_*``)."""
+    if args.vllm_importance_sampling_cap is not None:  # TRL 1.6 renamed it; a config written for it still works
+        args.vllm_importance_sampling_clip_max = args.vllm_importance_sampling_cap
+        args.vllm_importance_sampling_cap = None
+    low, high = args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max
+    if args.vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(
+            f"vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r}: use one of "
+            f"{list(IMPORTANCE_SAMPLING_MODES)}."
+        )
+    if (low is not None and low < 0) or (high is not None and high <= 0):
+        raise ValueError(
+            f"vllm_importance_sampling_clip_min={low}, _clip_max={high}: the bounds of a ratio are >= 0 (max > 0)."
+        )
+    if low is not None and high is not None and low >= high:
+        raise ValueError(
+            f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max={high}."
+        )
+    truncating = args.vllm_importance_sampling_mode.endswith("truncate")
+    if args.vllm_importance_sampling_correction and truncating and low is None and high is None:
+        raise ValueError(
+            f"vllm_importance_sampling_mode={args.vllm_importance_sampling_mode!r} clips the ratios: set "
+            "vllm_importance_sampling_clip_max (or _clip_min)."
+        )
 
 
 def check_reward_weights(weights: Sequence[float] | None, funcs: Sequence[Callable]) -> None:
@@ -175,6 +245,9 @@ class GRPOTrainer(TokenWeightedTrainer):
         ref_model: the reference for ``beta > 0`` (None: a frozen copy as training starts, or a PEFT policy's base).
         reward_processing_classes: the tokenizer of each reward model among ``reward_funcs`` (one, or a list with
             one entry per reward function, None for functions); None: each model's own, saved with it (TRL's name).
+        engine: the :class:`hfacc.generation.engine.GenerationEngine` to sample with (None: the one ``args`` asks
+            for, built at the first generation: the policy's ``generate``, or vLLM with ``use_vllm=True``). An
+            engine given gets this policy's weights at the first generation.
         callbacks, optimizers, **kwargs: as for ``transformers.Trainer`` (no ``eval_dataset``: score held-out prompts
             after training, as ``recipes/grpo.py`` does).
 
@@ -198,6 +271,7 @@ class GRPOTrainer(TokenWeightedTrainer):
         callbacks=None,
         reward_processing_classes=None,
         optimizers=(None, None),
+        engine: GenerationEngine | None = None,
         **kwargs,
     ):
         args = as_grpo_arguments(args)
@@ -247,7 +321,9 @@ class GRPOTrainer(TokenWeightedTrainer):
         self.rollout: Rollout | None = None  # this rank's latest generation batch (rows in training order)
         self.rollout_meter = RolloutMeter([get_reward_name(f) for f in funcs], args.num_generations)
         self._logprobs_fused: bool | None = None  # old log-probs from the hidden states in chunks: checked once
-        self._generations = 0
+        self._engine = engine  # None: built at the first generation, on every rank together
+        if engine is not None:
+            engine.version = None  # whatever it held before, this policy's weights go in first
         # This rank's seconds of generation over the whole run (the logged generation_time covers the logged
         # intervals only: a run whose last steps end between two logging steps would leave them out).
         self.generation_seconds = 0.0
@@ -263,16 +339,43 @@ class GRPOTrainer(TokenWeightedTrainer):
         args = self.args
         return args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0
 
+    @property
+    def engine(self) -> GenerationEngine:
+        """The generation engine (:mod:`hfacc.generation.engine`): the policy's ``generate``, or with
+        ``use_vllm=True`` a colocated vLLM engine, built on first use (on every rank at the same time)."""
+        if self._engine is None:
+            args = self.args
+            longest = args.max_prompt_length + args.max_completion_length if args.max_prompt_length else None
+            self._engine = build_generation_engine(
+                args,
+                self.accelerator.unwrap_model(self.model),
+                self.processing_class,
+                self.accelerator,
+                max_model_len=longest,
+                batch_size=args.per_device_train_batch_size * args.steps_per_generation,
+            )
+            self._engine.version = self.state.global_step  # it was built from the weights as they are now
+            logger.info("hfacc: %s samples with %s.", type(self).__name__, self._engine.name)
+        return self._engine
+
     def get_train_dataloader(self) -> RolloutLoader:
         """Micro-batches of completions, generated when the step needs them (:class:`RolloutLoader`)."""
         return RolloutLoader(self)
 
-    def generate_micro_batches(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
-        """The ``steps_per_generation`` micro-batches of one generation batch: prompts ``indices`` of the dataset."""
+    def generate_micro_batches(self, indices: Sequence[int], generation: int = 0) -> list[dict[str, torch.Tensor]]:
+        """The ``steps_per_generation`` micro-batches of one generation batch: prompts ``indices`` of the dataset.
+
+        ``generation`` numbers the generation batch in the run (epoch after epoch): it seeds the engine's sampling
+        (vLLM) and the order of the rows, so that a run and its resumption draw the same.
+        """
         args, start = self.args, time.perf_counter()
         policy = self.accelerator.unwrap_model(self.model)
+        engine = self.engine
+        engine.update(policy, version=self.state.global_step)  # the weights this generation's steps train
+        base_seed = args.data_seed if args.data_seed is not None else args.seed
+        rank = self.accelerator.process_index
         rollout = build_rollout(
-            policy,
+            engine,
             self.processing_class,
             [self.train_dataset[i] for i in indices],
             self.reward_funcs,
@@ -284,22 +387,23 @@ class GRPOTrainer(TokenWeightedTrainer):
             scale_rewards=args.scale_rewards,
             max_prompt_length=args.max_prompt_length,
             row_names=[f"row {i} of the prompts dataset" for i in indices],
+            seed=(base_seed * 1_000_003 + generation * 7919 + rank * 104_729) % 2**31,
         )
+        if rollout.sampler_logps is not None:  # aligned with labels, as old_logps are
+            for row, logps in zip(rollout.rows, rollout.sampler_logps, strict=True):
+                row["sampler_logps"] = [0.0] * (len(row["input_ids"]) - len(logps)) + list(logps)
         # Groups are mixed over the micro-batches (as TRL does): the step's update does not depend on the order,
         # but a micro-batch of one prompt's completions would have a zero-mean advantage.
-        seed = (args.data_seed if args.data_seed is not None else args.seed) + 7919 * self._generations
-        order = torch.randperm(len(rollout.rows), generator=torch.Generator().manual_seed(seed)).tolist()
-        rollout.rows = [rollout.rows[i] for i in order]
-        self._generations += 1
+        order = torch.randperm(
+            len(rollout.rows), generator=torch.Generator().manual_seed(base_seed + 7919 * generation)
+        )
+        rollout.rows = [rollout.rows[i] for i in order.tolist()]
         size = args.per_device_train_batch_size
-        batches = [self.data_collator(rollout.rows[i : i + size]) for i in range(0, len(rollout.rows), size)]
-        if self.needs_old_logps:
-            for batch in batches:
-                batch["old_logps"] = self.get_old_logps(policy, batch)
-            rows = iter(rollout.rows)
-            for batch in batches:  # the rows too, so that a test can rebuild the rollout exactly
-                for values, row in zip(batch["old_logps"], rows, strict=False):
-                    row["old_logps"] = values[: len(row["input_ids"])].tolist()
+        chunks = [rollout.rows[i : i + size] for i in range(0, len(rollout.rows), size)]
+        batches = [self.data_collator(chunk) for chunk in chunks]
+        if self.needs_old_logps or rollout.sampler_logps is not None:
+            for batch, chunk in zip(batches, chunks, strict=True):
+                self.add_sampler_terms(policy, batch, chunk)
         self.rollout = rollout
         seconds = time.perf_counter() - start
         self.rollout_meter.add(rollout, seconds)
@@ -307,6 +411,48 @@ class GRPOTrainer(TokenWeightedTrainer):
         # The rate logged for training leaves the rollout out; it is logged apart (generation_time).
         self.meter.exclude_time(seconds)
         return batches
+
+    def add_sampler_terms(self, policy: nn.Module, batch: dict[str, torch.Tensor], rows: list[dict]) -> None:
+        """What one micro-batch needs of the sampling policy, in ``batch`` (and in ``rows``, so that a test can rebuild
+        the rollout exactly): ``old_logps`` where a generation outlives an optimizer step; with a sampler other
+        than the policy (vLLM), the mismatch measured and, with the correction on, ``importance_weights``.
+
+        With vLLM, ``old_logps`` are the policy's own log-probs of the samples, taken now (before any update), when
+        the importance-sampling correction is on (TRL's rule: the sampler's enter through the weights); with it
+        off they are the sampler's.
+        """
+        args = self.args
+        policy_logps = self.get_old_logps(policy, batch)
+        old = policy_logps
+        if "sampler_logps" in rows[0]:
+            sampler = torch.zeros_like(policy_logps)
+            for i, row in enumerate(rows):
+                sampler[i, : len(row["sampler_logps"])] = torch.tensor(row["sampler_logps"])
+            mask = batch["labels"] != IGNORE_INDEX
+            owner = torch.arange(mask.shape[0])[:, None].expand(mask.shape)[mask]
+            weights, ratios = importance_sampling_weights(
+                policy_logps[mask],
+                sampler[mask],
+                owner,
+                mask.shape[0],
+                args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min,
+                args.vllm_importance_sampling_clip_max,
+            )
+            correct = args.vllm_importance_sampling_correction
+            self.rollout_meter.add_sampling((policy_logps[mask] - sampler[mask]).abs(), ratios if correct else None)
+            if correct:
+                aligned = torch.zeros_like(policy_logps)
+                aligned[mask] = weights.float()
+                batch["importance_weights"] = aligned
+            else:
+                old = sampler
+        if self.needs_old_logps:
+            batch["old_logps"] = old
+        for key in ("old_logps", "importance_weights"):
+            if key in batch:
+                for values, row in zip(batch[key], rows, strict=True):
+                    row[key] = values[: len(row["input_ids"])].tolist()
 
     @torch.no_grad()
     def get_old_logps(self, policy: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -340,8 +486,9 @@ class GRPOTrainer(TokenWeightedTrainer):
         super().log(logs, start_time)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """``TokenWeightedTrainer.train``. A resumed run samples new rollouts from its prompts: the Trainer's replay of
-        the micro-batches trained before (``skip_first_batches``) would sample and throw away whole generations."""
+        """``TokenWeightedTrainer.train``. A resumed run goes on with the prompts after the checkpoint's
+        (:class:`RolloutLoader`): the Trainer's replay of the micro-batches trained before (``skip_first_batches``)
+        would sample and throw away whole generations."""
         skip = self.args.ignore_data_skip
         self.args.ignore_data_skip = True
         try:
@@ -357,11 +504,18 @@ class RolloutLoader:
     global batches of ``P x prompts per rank``; rank r takes the r-th block of each. Each block becomes
     ``steps_per_generation`` micro-batches, yielded ``num_iterations`` times. Its length, in micro-batches, is what
     the Trainer plans its steps by.
+
+    A resumed run (its first epoch starts past step 0) goes on where the checkpoint stopped: the generations its
+    steps trained before are skipped without sampling; one the checkpoint cut in the middle (its rollout is not in
+    the checkpoint) is sampled again for the same prompts, from the resumed policy, and only its micro-batches not
+    trained yet are yielded. Which, is said at WARNING. Where the checkpoint falls between generations, the resumed
+    run samples and trains what the uninterrupted one would have (same prompts, same seeds, the checkpoint's RNG).
     """
 
     def __init__(self, trainer: GRPOTrainer):
         self.trainer = trainer
         self.epoch = 0
+        self.placed = False  # whether this train() call's first epoch was placed (at a resumed run's step)
         args = trainer.args
         self.prompts_per_rank = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
         self.prompts_per_generation = self.prompts_per_rank * trainer.accelerator.num_processes
@@ -371,14 +525,30 @@ class RolloutLoader:
                 f"({self.prompts_per_generation}: per_device_train_batch_size x steps_per_generation / num_generations "
                 "x processes); give more prompts or a smaller batch."
             )
+        self.generations = len(trainer.train_dataset) // self.prompts_per_generation  # per epoch
+        self.per_generation = args.steps_per_generation * args.num_iterations  # micro-batches
 
     def __len__(self) -> int:
-        args = self.trainer.args
-        generations = len(self.trainer.train_dataset) // self.prompts_per_generation
-        return generations * args.steps_per_generation * args.num_iterations
+        return self.generations * self.per_generation
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+
+    def get_resume_position(self) -> tuple[int, int]:
+        """``(generation, micro-batch)`` of this epoch where a resumed run goes on: the first micro-batch no step
+        trained before the checkpoint (``(0, 0)`` for a fresh run, and for every later epoch)."""
+        trainer = self.trainer
+        if self.placed:
+            return 0, 0
+        self.placed = True
+        if trainer.state.global_step == 0:
+            return 0, 0
+        accumulation = trainer.args.gradient_accumulation_steps
+        steps_per_epoch = max(math.ceil(len(self) / accumulation), 1)  # the Trainer's count
+        consumed = (trainer.state.global_step - self.epoch * steps_per_epoch) * accumulation
+        if consumed <= 0:
+            return 0, 0
+        return divmod(min(consumed, len(self)), self.per_generation)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         trainer, args = self.trainer, self.trainer.args
@@ -389,11 +559,35 @@ class RolloutLoader:
             seed = (args.data_seed if args.data_seed is not None else args.seed) + self.epoch
             order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
         rank = trainer.accelerator.process_index
-        for start in range(0, n - self.prompts_per_generation + 1, self.prompts_per_generation):
-            first = start + rank * self.prompts_per_rank
-            batches = trainer.generate_micro_batches(order[first : first + self.prompts_per_rank])
-            for _ in range(args.num_iterations):
-                yield from batches
+        first_generation, offset = self.get_resume_position()
+        if first_generation or offset:
+            self.say_resume(first_generation, offset)
+        for g in range(first_generation, self.generations):
+            first = g * self.prompts_per_generation + rank * self.prompts_per_rank
+            indices = order[first : first + self.prompts_per_rank]
+            batches = trainer.generate_micro_batches(indices, generation=self.epoch * self.generations + g)
+            yield from (batches * args.num_iterations)[offset if g == first_generation else 0 :]
+
+    def say_resume(self, generation: int, offset: int) -> None:
+        """Say at WARNING where the resumed run goes on, and which rollout it samples again."""
+        step, first = self.trainer.state.global_step, generation * self.prompts_per_generation
+        where = (
+            f"generation {generation + 1} of {self.generations} of epoch {self.epoch} (prompts {first}-"
+            f"{first + self.prompts_per_generation - 1} of the epoch's order)"
+        )
+        before = f"the {generation} generation(s) before it are not sampled again"
+        if offset == 0:
+            logger.warning(
+                "hfacc: resumed at step %d: training goes on with %s, as the uninterrupted run would; %s, and no "
+                "rollout is sampled again.", step, where, before,
+            )  # fmt: skip
+        else:
+            logger.warning(
+                "hfacc: resumed at step %d: the checkpoint cut %s after %d of its %d micro-batches, and its rollout is "
+                "not in the checkpoint: those prompts are sampled again, from the resumed policy, and the last %d "
+                "micro-batches of the new rollout are trained; %s.", step, where, offset, self.per_generation,
+                self.per_generation - offset, before,
+            )  # fmt: skip
 
 
 class RolloutMeter:
@@ -404,6 +598,12 @@ class RolloutMeter:
     ``rewards/{f}/std``, ``frac_reward_zero_std``, ``completions/mean_length``, ``min_length``, ``max_length``,
     ``clipped_ratio``; and ``generation_time`` (seconds per rank: sampling, scoring, old log-probs),
     ``generation_tokens_per_second`` (completion tokens sampled over the sampling time, all ranks).
+
+    With a sampler other than the policy (vLLM), the mismatch, over every completion token of the interval on all
+    ranks: ``sampling/sampling_logp_difference/mean`` and ``/max`` (``|log pi(y_t) - log q(y_t)|``, the trained
+    policy's log-prob of each sampled token against the sampler's); with the correction on,
+    ``sampling/importance_sampling_ratio/min``, ``/mean``, ``/max`` over the ratios of its mode (per token, or per
+    completion), after truncation or masking (TRL's names; TRL averages per-rank means, here each is over all units).
     """
 
     def __init__(self, names: list[str], num_generations: int):
@@ -413,6 +613,23 @@ class RolloutMeter:
     def reset(self) -> None:
         self.sums: torch.Tensor | None = None
         self.min_length, self.max_length = math.inf, 0
+        # sum |delta|, tokens, sum ratio, ratios; and max |delta|, max ratio, -min ratio
+        self.sampling = torch.zeros(4, dtype=torch.float64)
+        self.sampling_extremes = torch.full((3,), -math.inf, dtype=torch.float64)
+
+    def add_sampling(self, difference: torch.Tensor, ratios: torch.Tensor | None) -> None:
+        """One micro-batch's ``|log pi - log q|`` per completion token, and its importance ratios (or None)."""
+        difference = difference.double()
+        values = [difference.sum(), float(difference.numel()), 0.0, 0.0]
+        extremes = [difference.max() if difference.numel() else -math.inf, -math.inf, -math.inf]
+        if ratios is not None and ratios.numel():
+            ratios = ratios.double()
+            values[2:] = [ratios.sum(), float(ratios.numel())]
+            extremes[1:] = [ratios.max(), -ratios.min()]
+        self.sampling += torch.tensor([float(v) for v in values], dtype=torch.float64)
+        self.sampling_extremes = torch.maximum(
+            self.sampling_extremes, torch.tensor([float(v) for v in extremes], dtype=torch.float64)
+        )
 
     def add(self, rollout: Rollout, seconds: float) -> None:
         rewards, total = rollout.rewards, rollout.total
@@ -445,16 +662,21 @@ class RolloutMeter:
         if self.sums is None:
             return {}
         device, world = accelerator.device, accelerator.num_processes
-        sums, extremes = self.sums, torch.tensor([-self.min_length, self.max_length], dtype=torch.float64)
+        sums = torch.cat([self.sums, self.sampling])
+        extremes = torch.cat(
+            [torch.tensor([-self.min_length, self.max_length], dtype=torch.float64), self.sampling_extremes]
+        )
         if world > 1:
             dtype = torch.float32 if device.type == "mps" else torch.float64
             sums = accelerator.reduce(sums.to(device, dtype), reduction="sum").cpu().double()
             extremes = accelerator.reduce(extremes.to(device, dtype), reduction="max").cpu().double()
         self.reset()
+        sums, sampling = sums[:-4], sums[-4:].tolist()
+        extremes, sampling_extremes = extremes[:2], extremes[2:].tolist()
         f = len(self.names)
         n, total, total_sq = sums[:3].tolist()
         func_sums, func_sqs = sums[3 : 3 + f].tolist(), sums[3 + f : 3 + 2 * f].tolist()
-        length, truncated, zero_std, groups, sampling, seconds = sums[3 + 2 * f :].tolist()
+        length, truncated, zero_std, groups, sampling_seconds, seconds = sums[3 + 2 * f :].tolist()
         logs = {"reward": total / n, "reward_std": _std(total, total_sq, n)}
         for name, s, sq in zip(self.names, func_sums, func_sqs, strict=True):
             logs[f"rewards/{name}/mean"] = s / n
@@ -467,9 +689,17 @@ class RolloutMeter:
                 "completions/max_length": extremes[1].item(),
                 "completions/clipped_ratio": truncated / n,
                 "generation_time": round(seconds / world, 3),
-                "generation_tokens_per_second": round(length / max(sampling / world, 1e-9), 2),
+                "generation_tokens_per_second": round(length / max(sampling_seconds / world, 1e-9), 2),
             }
         )
+        difference, tokens, ratio, ratios = sampling
+        if tokens:
+            logs["sampling/sampling_logp_difference/mean"] = difference / tokens
+            logs["sampling/sampling_logp_difference/max"] = sampling_extremes[0]
+        if ratios:
+            logs["sampling/importance_sampling_ratio/min"] = -sampling_extremes[2]
+            logs["sampling/importance_sampling_ratio/mean"] = ratio / ratios
+            logs["sampling/importance_sampling_ratio/max"] = sampling_extremes[1]
         return logs
 
 
