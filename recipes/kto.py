@@ -1,6 +1,6 @@
 """KTO on unpaired preference rows with exact accumulation: the row as the unit, the reference point the step's.
 
-    accelerate launch recipes/kto.py                       # embedded default: offline, CPU, under 3 minutes
+    accelerate launch recipes/kto.py                       # embedded default: offline, runs on a CPU
     accelerate launch recipes/kto.py --model_name_or_path my-sft-model --dataset_name rows.jsonl
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/kto.py   # two processes
 

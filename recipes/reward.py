@@ -1,6 +1,6 @@
 """A reward model (Bradley-Terry) with exact accumulation per pair.
 
-    accelerate launch recipes/reward.py                    # embedded default: offline, CPU, under 3 minutes
+    accelerate launch recipes/reward.py                    # embedded default: offline, runs on a CPU
     accelerate launch recipes/reward.py --model_name_or_path my-sft-model --dataset_name pairs.jsonl
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/reward.py   # two processes
 

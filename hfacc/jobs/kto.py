@@ -1,6 +1,6 @@
 """KTO on unpaired preference rows, exact per row with the step's reference point: the job of ``hfacc kto``.
 
-    hfacc kto                                                # embedded default: offline, CPU, under 3 minutes
+    hfacc kto                                                # embedded default: offline, runs on a CPU
     accelerate launch recipes/kto.py                         # the same job, as a recipe script
     accelerate launch recipes/kto.py --model_name_or_path my-sft-model --dataset_name rows.jsonl
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/kto.py   # two processes

@@ -1,6 +1,6 @@
 """Reward modelling (Bradley-Terry) with exact accumulation per pair: the job of ``hfacc reward``.
 
-    hfacc reward                                             # embedded default: offline, CPU, under 3 minutes
+    hfacc reward                                             # embedded default: offline, runs on a CPU
     accelerate launch recipes/reward.py                      # the same job, as a recipe script
     accelerate launch recipes/reward.py --model_name_or_path my-sft-model --dataset_name pairs.jsonl
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/reward.py   # two processes
