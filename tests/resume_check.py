@@ -101,12 +101,14 @@ def barrier():
         torch.distributed.barrier()
 
 
-def resume_every_checkpoint(out: Path, name: str, case: dict) -> dict:
-    """The reference run, then a resume from each of its checkpoints: relative weight error per checkpoint."""
+def resume_every_checkpoint(out: Path, name: str, case, make=None) -> dict:
+    """The reference run, then a resume from each of its checkpoints: relative weight error per checkpoint.
+    ``make(output_dir, case)`` builds a trainer and its model (default: :func:`make_trainer`)."""
+    make = make or make_trainer
     rank = int(os.environ.get("RANK", "0"))
     counter = RepeatCounter()
     logging.getLogger("hfacc").addHandler(counter)
-    trainer, model = make_trainer(out / name / "full", case)
+    trainer, model = make(out / name / "full", case)
     trainer.train()
     logging.getLogger("hfacc").removeHandler(counter)
     reference = weights(model)
@@ -117,7 +119,7 @@ def resume_every_checkpoint(out: Path, name: str, case: dict) -> dict:
         if rank == 0:
             shutil.copytree(out / name / "full" / f"checkpoint-{step}", resumed / f"checkpoint-{step}")
         barrier()
-        trainer, model = make_trainer(resumed, case)
+        trainer, model = make(resumed, case)
         trainer.train(resume_from_checkpoint=True)
         errors[step] = relative_error(weights(model), reference)
     counts = [counter.count]
