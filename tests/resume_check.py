@@ -54,24 +54,27 @@ CASES = {
 }
 
 
+# The run every case trains (tests/resume_objectives_check.py's too): shuffled, cosine, clipped, a checkpoint a step.
+SETTINGS = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    learning_rate=2e-2,
+    lr_scheduler_type="cosine",
+    warmup_steps=1,
+    max_grad_norm=1.0,
+    train_sampling_strategy="random",
+    report_to=[],
+    save_strategy="steps",
+    save_steps=1,
+    logging_steps=1,
+    disable_tqdm=True,
+    seed=0,
+    dataloader_pin_memory=False,
+)
+
+
 def make_trainer(out: Path, case: dict):
-    settings = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=2e-2,
-        lr_scheduler_type="cosine",
-        warmup_steps=1,
-        max_grad_norm=1.0,
-        train_sampling_strategy="random",
-        report_to=[],
-        save_strategy="steps",
-        save_steps=1,
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-        dataloader_pin_memory=False,
-    )
+    settings = dict(SETTINGS, output_dir=str(out))
     settings.update(case["settings"])
     model = build_tiny_llama(vocab_size=VOCAB, hidden_size=32, num_layers=1, num_heads=2, attention_dropout=0.1)
     if case.get("stream"):

@@ -5,11 +5,13 @@ tests/test_resume.py on one process (in the test's own process) and on two:
     torchrun --nproc_per_node 2 tests/resume_objectives_check.py OUT_DIR
 
 Each case builds its tiny model, rows, collator and objective with the builders of the objective's own tests, trains
-3 steps saving a checkpoint after each (bs 2 x GA 2 per process, shuffled, cosine schedule, clipping), then resumes
+4 steps on 11 rows saving a checkpoint after each (bs 2 x GA 2 per process, shuffled, cosine schedule, clipping; the
+settings of tests/resume_check.py), then resumes
 from every checkpoint in a fresh Trainer and compares the final weights with the uninterrupted run's
 (tests/resume_check.py's loop). The negative controls resume from checkpoint-1 with one thing not restored: the data
 position (``ignore_data_skip``: the epoch starts again), the RNG state (the SFT case trains with dropout) and the
-frozen copy of DPO's reference (taken from the checkpoint's weights instead of the policy as the run started). Rank 0
+frozen copy of DPO's reference (taken from the checkpoint's weights instead of the policy as the run started: the
+bug tests/test_preference.py guards against). Rank 0
 writes OUT_DIR/results.json.
 """
 
@@ -146,28 +148,11 @@ CASES = {
 
 
 def make_trainer(out: Path, name: str, **settings):
-    """The case's trainer: what tests/resume_check.py's make_trainer sets, with the case's model, rows and objective."""
+    """The case's trainer: tests/resume_check.py's settings, with the case's model, rows and objective."""
     torch.manual_seed(0)  # a PEFT adapter's initialization draws from the global generator
     model, rows, collate, objective = CASES[name]()
-    args = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=2e-2,
-        lr_scheduler_type="cosine",
-        warmup_steps=0,  # with warmup, step 1 has learning rate 0 and checkpoint-1 holds the starting weights
-        max_grad_norm=1.0,
-        max_steps=STEPS,
-        train_sampling_strategy="random",
-        report_to=[],
-        save_strategy="steps",
-        save_steps=1,
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-        dataloader_pin_memory=False,
-        ddp_timeout=120,
-    )
+    args = dict(resume_check.SETTINGS, output_dir=str(out), max_steps=STEPS, ddp_timeout=120)
+    args["warmup_steps"] = 0  # with warmup, step 1 has learning rate 0 and checkpoint-1 holds the starting weights
     args.update(settings)
     train = rows if isinstance(rows, Dataset) else Dataset.from_list(rows)
     trainer = TokenWeightedTrainer(
