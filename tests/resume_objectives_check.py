@@ -4,15 +4,13 @@ tests/test_resume.py on one process (in the test's own process) and on two:
 
     torchrun --nproc_per_node 2 tests/resume_objectives_check.py OUT_DIR
 
-Each case builds its tiny model, rows, collator and objective with the builders of the objective's own tests, trains
-4 steps on 11 rows saving a checkpoint after each (bs 2 x GA 2 per process, shuffled, cosine schedule, clipping; the
-settings of tests/resume_check.py), then resumes
-from every checkpoint in a fresh Trainer and compares the final weights with the uninterrupted run's
-(tests/resume_check.py's loop). The negative controls resume from checkpoint-1 with one thing not restored: the data
-position (``ignore_data_skip``: the epoch starts again), the RNG state (the SFT case trains with dropout) and the
-frozen copy of DPO's reference (taken from the checkpoint's weights instead of the policy as the run started: the
-bug tests/test_preference.py guards against). Rank 0
-writes OUT_DIR/results.json.
+Each case builds its tiny model, rows, collator and objective with the builders of the objective's own tests, trains 4
+steps on 11 rows saving a checkpoint after each (bs 2 x GA 2 per process, shuffled, cosine schedule, clipping; the
+settings of tests/resume_check.py), then resumes from every checkpoint in a fresh Trainer and compares the final
+weights with the uninterrupted run's (tests/resume_check.py's loop). The negative controls resume from checkpoint-1
+with one thing not restored: the data position (``ignore_data_skip``: the epoch starts again), the RNG state (the SFT
+case trains with dropout) and the frozen copy of DPO's reference (taken from the checkpoint's weights instead of the
+policy as the run started: the bug tests/test_preference.py guards against). Rank 0 writes OUT_DIR/results.json.
 """
 
 from __future__ import annotations
