@@ -54,24 +54,27 @@ CASES = {
 }
 
 
+# The run every case trains (tests/resume_objectives_check.py's too): shuffled, cosine, clipped, a checkpoint a step.
+SETTINGS = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    learning_rate=2e-2,
+    lr_scheduler_type="cosine",
+    warmup_steps=1,
+    max_grad_norm=1.0,
+    train_sampling_strategy="random",
+    report_to=[],
+    save_strategy="steps",
+    save_steps=1,
+    logging_steps=1,
+    disable_tqdm=True,
+    seed=0,
+    dataloader_pin_memory=False,
+)
+
+
 def make_trainer(out: Path, case: dict):
-    settings = dict(
-        output_dir=str(out),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=2e-2,
-        lr_scheduler_type="cosine",
-        warmup_steps=1,
-        max_grad_norm=1.0,
-        train_sampling_strategy="random",
-        report_to=[],
-        save_strategy="steps",
-        save_steps=1,
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-        dataloader_pin_memory=False,
-    )
+    settings = dict(SETTINGS, output_dir=str(out))
     settings.update(case["settings"])
     model = build_tiny_llama(vocab_size=VOCAB, hidden_size=32, num_layers=1, num_heads=2, attention_dropout=0.1)
     if case.get("stream"):
@@ -101,12 +104,14 @@ def barrier():
         torch.distributed.barrier()
 
 
-def resume_every_checkpoint(out: Path, name: str, case: dict) -> dict:
-    """The reference run, then a resume from each of its checkpoints: relative weight error per checkpoint."""
+def resume_every_checkpoint(out: Path, name: str, case, make=None) -> dict:
+    """The reference run, then a resume from each of its checkpoints: relative weight error per checkpoint.
+    ``make(output_dir, case)`` builds a trainer and its model (default: :func:`make_trainer`)."""
+    make = make or make_trainer
     rank = int(os.environ.get("RANK", "0"))
     counter = RepeatCounter()
     logging.getLogger("hfacc").addHandler(counter)
-    trainer, model = make_trainer(out / name / "full", case)
+    trainer, model = make(out / name / "full", case)
     trainer.train()
     logging.getLogger("hfacc").removeHandler(counter)
     reference = weights(model)
@@ -117,7 +122,7 @@ def resume_every_checkpoint(out: Path, name: str, case: dict) -> dict:
         if rank == 0:
             shutil.copytree(out / name / "full" / f"checkpoint-{step}", resumed / f"checkpoint-{step}")
         barrier()
-        trainer, model = make_trainer(resumed, case)
+        trainer, model = make(resumed, case)
         trainer.train(resume_from_checkpoint=True)
         errors[step] = relative_error(weights(model), reference)
     counts = [counter.count]

@@ -31,6 +31,7 @@ from hfacc.training.checkpoint import (
 )
 from hfacc.training.hashing import hashing_writes, relative_digests
 from tests import resume_check as check
+from tests import resume_objectives_check as objectives
 from tests.helpers import ROOT, torchrun
 
 TOL = 1e-6
@@ -155,6 +156,55 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(two_ranks):
     assert "cut short" in checkpoint_problem(half, stock_ok=False)
     said = json.loads((out / "death.json").read_text())["said"] if (out / "death.json").is_file() else None
     assert said is None or said.startswith("another process of this run is gone")  # if rank 0 lived to say it
+
+
+# ---- every objective: exact from every checkpoint ------------------------------------------------------------------
+# Bit for bit (0.0), not only within TOL: a resumed run loads the weights, the optimizer, scheduler and RNG states and
+# the data position exactly, and takes its per-model decisions (objective, padding-free layout, loss path, the frozen
+# reference copy) from the run's settings and data, not from the micro-batch it happens to start with; on a fixed
+# machine and thread count each resumed step then computes what the uninterrupted step did, operation for operation.
+# Any difference is something a resume did not restore. Not bit for bit: preference pairs on 2 ranks (DPO with each
+# reference, the reward model), 5e-9 from checkpoints 1 and 2: their dataset has no input_ids column, so
+# get_longest_sequence gives 0 and the padding-free row length comes from the first micro-batch, which a resumed run
+# has another of; later rows are laid out otherwise and round differently (reading the *_input_ids columns made them
+# 0.0, but moved test_kto's PEFT padded z0 past its tolerance in suite order, not yet understood: left out).
+# The controls restore one thing less and must end elsewhere.
+PAIRS_ON_TWO_RANKS = ("dpo copy", "dpo given", "dpo peft", "dpo precomputed", "reward")
+
+
+def assert_resumes_exactly(result, case, bound=0.0):
+    assert len(result["errors"]) == result["steps"] == objectives.STEPS
+    assert all(error <= bound for error in result["errors"].values()), (case, result["errors"])
+    wanted = {"data position", *objectives.CONTROLS.get(case, ())}
+    assert set(result["controls"]) == wanted
+    assert all(error > 1e-3 for error in result["controls"].values()), (case, result["controls"])
+
+
+@pytest.mark.parametrize("case", list(objectives.CASES))
+def test_every_objective_resumes_exactly_from_every_checkpoint(tmp_path, case):
+    assert_resumes_exactly(objectives.run_case(tmp_path, case), case)
+
+
+@pytest.fixture(scope="module")
+def objectives_on_two_ranks(tmp_path_factory):
+    """One launch: every objective's case on 2 ranks (the last global batch of each epoch partial)."""
+    out = tmp_path_factory.mktemp("objectives2")
+    proc = subprocess.run(
+        torchrun("tests/resume_objectives_check.py", str(out)), cwd=ROOT, capture_output=True, text=True, timeout=400
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(objectives.CASES))
+def test_every_objective_resumes_exactly_from_every_checkpoint_on_two_ranks(objectives_on_two_ranks, case):
+    """Before: the vision case stopped on rank 1 (its repeat cut from the last batch left Qwen2.5-VL's image entries
+    of another size)."""
+    assert objectives_on_two_ranks["world_size"] == 2
+    result = objectives_on_two_ranks[case]
+    assert_resumes_exactly(result, case, TOL if case in PAIRS_ON_TWO_RANKS else 0.0)
+    assert result["repeat_warnings"] > 0  # accelerate repeated examples in the last batch, hfacc cut them
 
 
 # ---- a kill at any point of a save ---------------------------------------------------------------------------------

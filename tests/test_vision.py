@@ -214,6 +214,25 @@ def test_padding_free_lays_out_images_in_order(family):
         assert targets[targets != IGNORE_INDEX].tolist() == padded[padded != IGNORE_INDEX].tolist()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_repeats_cut_from_a_last_batch_leave_each_example_its_images(family):
+    """On 2 ranks with an odd number of examples accelerate repeats one in the last batch, which hfacc cuts. Before:
+    rows were cut with every entry of the batch's size, so image entries (per image, or per patch) lost some images
+    or none, and training stopped with a size mismatch (Qwen2.5-VL: "The size of tensor a (32) must match the size
+    of tensor b (16)"). Now the examples kept count and train what they do alone."""
+    from hfacc.objectives import CausalLMObjective
+    from hfacc.runtime.distributed import trim_repeated_examples
+
+    examples = examples_for(family)[:3]
+    batches, objective, model = [collate(family, examples)], CausalLMObjective(), model_for(family)
+    assert trim_repeated_examples(batches, 2, rank=1, warn=False, examples=objective) == (set(), 1)
+    alone = collate(family, examples[:2])
+    with torch.no_grad():
+        (_, cut), (_, want) = objective(model, batches[0]), objective(model, alone)
+    assert cut.count.item() == want.count.item() == objective.count(alone)[0].item()
+    assert cut.loss.item() == pytest.approx(want.loss.item(), rel=1e-5)
+
+
 def test_mrope_positions_of_packed_rows_are_each_sequences_own():
     """Qwen2.5-VL laid out in one row: the 3-D positions are what the model computes for each padded row, the text
     channel restarts per sequence, and the one target definition reads the boundaries from it."""

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.multimodal import with_packed_positions
+from ..data.multimodal import get_image_inputs, with_packed_positions
 from ..ops.fused_loss import FusedOutputHead, fused_loss_problem, swap_output_head
 from ..ops.loss import IGNORE_INDEX, cross_entropy_sums, get_sequence_ids, per_sequence_sums, shift_labels
 from ..ops.model_io import get_base_model, get_logits, model_inputs, packed_position_ids
@@ -58,6 +58,24 @@ class CausalLMObjective(Objective):
         ids, n = sequences  # rows holding several sequences: count sequences, not rows
         hit = torch.zeros(n, dtype=torch.long, device=targets.device).index_fill_(0, ids[targets], 1)
         return torch.stack([targets.sum(), hit.sum()])
+
+    def select_examples(self, batch: Mapping[str, Any], start: int, stop: int) -> dict[str, Any]:
+        """Rows ``start..stop`` of ``batch``; with images, the whole batch with the other rows' targets removed.
+
+        Image entries are per image (Qwen2-VL's ``pixel_values`` per patch, ``image_grid_thw`` per image), not per
+        row: cutting the rows would leave the model images whose placeholder tokens are gone (on 2 ranks with an odd
+        number of examples, accelerate's repeat cut from the last batch stopped training with a size mismatch). So
+        the rows stay, and those outside ``start..stop`` count and train nothing.
+        """
+        if not get_image_inputs(batch):
+            return super().select_examples(batch, start, stop)
+        out = dict(batch)
+        for key in ("labels", "shift_labels"):
+            if torch.is_tensor(batch.get(key)):
+                out[key] = batch[key].clone()
+                out[key][:start] = IGNORE_INDEX
+                out[key][stop:] = IGNORE_INDEX
+        return out
 
     def __call__(self, model, batch, per_sequence=False):
         inputs = model_inputs(batch)
