@@ -286,3 +286,24 @@ def test_packed_rows_are_padded_with_a_real_token():
         (sums.loss / sums.count).backward()
         grads.append(flat_grad(model))
     assert torch.isfinite(grads[0]).all() and relative_error(grads[0], grads[1]) <= 1e-6
+
+
+def test_the_longest_sequence_is_read_from_every_side_of_pairs_and_unpaired_rows():
+    """Before: 0 for preference pairs and KTO rows (no ``input_ids`` column), so the padding-free row length came from
+    the first micro-batch alone, and a run resumed on 2 ranks ended 5e-9 off the uninterrupted one instead of bit for
+    bit (tests/resume_objectives_check.py)."""
+    from datasets import Dataset
+
+    from hfacc.data.batching import get_longest_sequence
+
+    pairs = Dataset.from_list(
+        [
+            {"chosen_input_ids": [1] * 3, "rejected_input_ids": [2] * 7},
+            {"chosen_input_ids": [1] * 5, "rejected_input_ids": [2]},
+        ]
+    )
+    assert get_longest_sequence(pairs) == 7
+    rows = Dataset.from_list([{"completion_input_ids": [1] * 4, "kl_input_ids": [2] * 9, "label": True}])
+    assert get_longest_sequence(rows) == 9
+    assert get_longest_sequence(Dataset.from_list([{"input_ids": [1] * 6, "labels": [1] * 6}])) == 6
+    assert get_longest_sequence(Dataset.from_list([{"text": "no tokens"}])) == 0

@@ -226,14 +226,23 @@ def pack_dataset(dataset, max_length: int):
 
 
 def get_longest_sequence(dataset) -> int:
-    """The longest ``input_ids`` of a map-style ``datasets.Dataset`` (read from Arrow, no row decoded), else 0."""
-    if not isinstance(dataset, datasets.Dataset) or "input_ids" not in dataset.column_names or len(dataset) == 0:
+    """The longest ``input_ids`` of a map-style ``datasets.Dataset`` (read from Arrow, no row decoded), else 0.
+
+    Preference pairs and unpaired rows count too (``chosen_input_ids``, ``rejected_input_ids``,
+    ``completion_input_ids``, ``kl_input_ids``: every ``*_input_ids`` column). Without them the padding-free row
+    length came from the first micro-batch alone, so a resumed run, whose first micro-batch is another, laid out
+    later rows otherwise than the uninterrupted run (rel 5e-9 on 2 ranks instead of bit for bit).
+    """
+    if not isinstance(dataset, datasets.Dataset) or len(dataset) == 0:
+        return 0
+    columns = [c for c in dataset.column_names if c == "input_ids" or c.endswith("_input_ids")]
+    if not columns:
         return 0
     import pyarrow.compute as pc
 
     # The rows the dataset holds (a select()/shuffle() view included), as Arrow batches: no Python row is built.
-    rows = dataset.select_columns("input_ids").with_format("arrow").iter(batch_size=65536)
-    return max(int(pc.max(pc.list_value_length(batch["input_ids"])).as_py() or 0) for batch in rows)
+    rows = dataset.select_columns(columns).with_format("arrow").iter(batch_size=65536)
+    return max(int(pc.max(pc.list_value_length(batch[c])).as_py() or 0) for batch in rows for c in columns)
 
 
 def is_packed(batch) -> bool:
