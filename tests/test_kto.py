@@ -9,6 +9,8 @@ KTOTrainer gives the values of its own loss code from the same log-probs; bad da
 training. Two ranks with uneven rows: tests/test_distributed.py (tests/reward_kto_check.py's cases).
 """
 
+import re
+
 import pytest
 import torch
 from datasets import Dataset
@@ -337,12 +339,38 @@ def test_a_batch_without_its_window_is_its_own_window(models, rows):
 
 
 # ---- hfacc verify --objective kto -------------------------------------------------------------------------------
-def test_hfacc_verify_objective_kto_on_the_embedded_rows(capsys):
+VERIFY_KTO = ["verify", "--objective", "kto", "--per_device_train_batch_size", "3", "--gradient_accumulation_steps",
+              "3", "--embedded_hidden_size", "32", "--embedded_num_layers", "1"]  # fmt: skip
+
+
+def run_verify_kto(capsys):
     from hfacc.cli import main as cli_main
 
-    argv = ["verify", "--objective", "kto", "--per_device_train_batch_size", "3", "--gradient_accumulation_steps",
-            "3", "--embedded_hidden_size", "32", "--embedded_num_layers", "1"]  # fmt: skip
-    code = cli_main(argv)
-    out = capsys.readouterr().out
+    code = cli_main(VERIFY_KTO)
+    return code, capsys.readouterr().out
+
+
+def test_hfacc_verify_objective_kto_on_the_embedded_rows(capsys):
+    """Its reference is unlike the policy (a perturbed copy), so the window's z0 is well above 0 and TRL's
+    per-micro-batch z0 and means miss the big batch by far; the window line names the examples once."""
+    code, out = run_verify_kto(capsys)
     assert code == 0 and "PASS" in out and "objective   kto" in out
     assert "examples per micro-batch (rank 0): [3, 3, 3]" in out and "chunked log-probs" in out
+    assert "= 9 examples\n" in out and "'kto' counts examples exactly" in out
+    z0 = float(re.search(r"statistic   kto_reference_point = (\S+) over the window", out).group(1))
+    stock = float(re.search(r"mean of micro-batch means \(as TRL's trainers\): relative error (\S+)", out).group(1))
+    assert z0 > 1.0 and stock > 0.1, (z0, stock)
+
+
+def test_hfacc_verify_objective_kto_fails_with_a_reference_point_per_micro_batch(capsys, monkeypatch):
+    """Negative control: with no window statistic, each micro-batch takes its own z0 (TRL's way); verify must see it."""
+    window_statistics = KTOObjective.window_statistics
+
+    def per_micro_batch(self, model, batches, *args, **kwargs):  # none for a window: each batch takes its own z0
+        return window_statistics(self, model, batches, *args, **kwargs) if len(batches) == 1 else {}
+
+    monkeypatch.setattr(KTOObjective, "window_statistics", per_micro_batch)
+    code, out = run_verify_kto(capsys)
+    assert code == 1 and "FAIL" in out, out
+    error = float(re.search(r"one big batch \(fp32\): relative error (\S+)", out).group(1))
+    assert error > 1e-2, error
