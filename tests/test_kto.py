@@ -9,6 +9,7 @@ KTOTrainer gives the values of its own loss code from the same log-probs; bad da
 training. Two ranks with uneven rows: tests/test_distributed.py (tests/reward_kto_check.py's cases).
 """
 
+import math
 import re
 
 import pytest
@@ -314,6 +315,27 @@ def test_bad_unpaired_data_is_one_named_error(tokenizer):
     with pytest.raises(ValueError, match="has no KL rows"):
         objective = KTOObjective()
         objective.window_statistics(None, [{"label": torch.tensor([True])}])
+
+
+@pytest.mark.parametrize(
+    "column, bad, said",
+    [("ref_logps", None, "None, but row 0 has a value"), ("ref_logps", math.nan, "nan is not a finite number"),
+     ("ref_kl_logps", -math.inf, "-inf is not a finite number")],
+    ids=["None", "NaN", "-inf"],
+)  # fmt: skip
+def test_a_bad_precomputed_reference_log_prob_is_one_named_error_before_training(column, bad, said, tmp_path):
+    """Row 5 of 8 with a None (a collation error mid-run before) or a non-finite value (every step it was in was
+    skipped, each epoch): the trainer refuses the data when it is built, naming the column, the row and the fix."""
+    rows = [{**r, "ref_logps": -5.0, "ref_kl_logps": -6.0} for r in unpaired_rows(8, VOCAB)]
+    rows[5][column] = bad
+    args = train_args(tmp_path, 2, 1, args_class=TokenWeightedArguments)
+    with pytest.raises(DataError, match=rf"the training data, row 5, column '{column}': {said}: recompute them with "
+                       r"hfacc.precompute_reference_logps, or drop the columns"):  # fmt: skip
+        TokenWeightedTrainer(model=build_tiny_llama(vocab_size=VOCAB, hidden_size=16, num_layers=1), args=args,
+                             train_dataset=Dataset.from_list(rows), data_collator=COLLATE, objective=KTOObjective())  # fmt: skip
+    only = Dataset.from_list([{k: v for k, v in r.items() if k != "ref_kl_logps"} for r in rows[:5]])
+    with pytest.raises(DataError, match=r"has \['ref_logps'\] but not \['ref_kl_logps'\], which go together"):
+        KTOObjective().check_data(only)
 
 
 def test_reference_log_probs_are_precomputed_for_the_kl_rows_too(models, rows):

@@ -289,6 +289,29 @@ def test_margins_are_kept_collated_and_checked():
         DataCollatorForPreference(0)([built[0], {k: v for k, v in built[1].items() if k != "margin"}])
 
 
+def test_a_partly_missing_margin_is_one_named_error_before_training(tmp_path):
+    """One pair of 16 without a margin (None): the trainer refuses the data when it is built, naming the column, the
+    row and the fix, not a collation error mid-run."""
+    tokenizer = build_default_tokenizer()
+    rows = [{"prompt": f"Q{i}?", "chosen": f" a{i}", "rejected": f" b{i}", "margin": None if i == 13 else 1.0}
+            for i in range(16)]  # fmt: skip
+    built = build_preference_dataset(Dataset.from_list(rows), tokenizer)
+    args = train_args(tmp_path, 2, 1, args_class=TokenWeightedArguments)
+    collate = DataCollatorForPreference(tokenizer.pad_token_id)
+    with pytest.raises(DataError, match=r"the training data, row 13, column 'margin': None, but row 0 has a value: "
+                       r"give every pair a finite margin \(0: no required gap\), or drop the column"):  # fmt: skip
+        TokenWeightedTrainer(model=tiny_reward_model(vocab=len(tokenizer)), args=args, train_dataset=built,
+                             data_collator=collate, objective=RewardObjective())  # fmt: skip
+    evaluation = Dataset.from_list(
+        [{**p, "margin": float("inf") if i == 1 else 0.5} for i, p in enumerate(reward_pairs(4, margins=False))]
+    )
+    with pytest.raises(DataError, match="the evaluation data, row 1, column 'margin': inf is not a finite number"):
+        RewardObjective().check_data(evaluation, "the evaluation data")
+    RewardObjective().check_data(
+        Dataset.from_list([{**p, "margin": None} for p in reward_pairs(2, margins=False)])
+    )  # none: no column
+
+
 # ---- a reward model as GRPO's reward ------------------------------------------------------------------------------
 def test_a_reward_model_object_or_path_is_a_grpo_reward(tmp_path):
     """TRL's rule: a sequence-classification model among reward_funcs scores prompt + completion through its own

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.preference import MARGIN
+from ..data.preference import MARGIN, MARGIN_FIX, check_row_values
 from ..ops.loss import WindowCounts
 from ..ops.scores import PerPositionScores, get_sequence_scores, reward_model_problem
 from ..runtime.distributed import num_rows
@@ -119,6 +119,10 @@ class RewardObjective(PairedRows, Objective):
         problem = reward_model_problem(context.model)
         if problem:
             raise ValueError(problem)
+
+    def check_data(self, dataset, name: str = "the training data") -> None:
+        """A ``margin`` column: a finite number in every pair, or in none (one named error before training)."""
+        check_row_values(dataset, (MARGIN,), name, MARGIN_FIX)
 
     def layout_view(self, model: nn.Module) -> nn.Module:
         """The layout check runs the head's score at every position (:class:`hfacc.ops.scores.PerPositionScores`); a
