@@ -143,12 +143,17 @@ def cut_to(ids: Sequence[int], labels: Sequence[int], max_length: int, truncatio
     return ids[cut], labels[cut]
 
 
+def as_number(value: Any) -> float:
+    """``value`` as a float; NaN when it is none (a string, a list, None)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def get_margin(value: Any, index: Any) -> float:
     """A row's ``margin`` (the reward model's required score gap, TRL's column) as a finite float, or a DataError."""
-    try:
-        margin = float(value)
-    except (TypeError, ValueError):
-        margin = math.nan
+    margin = as_number(value)
     if not math.isfinite(margin):
         raise DataError(f"row {index}, field 'margin': {value!r} is not a finite number.")
     return margin
@@ -733,11 +738,7 @@ def check_row_values(dataset: Any, columns: Sequence[str], name: str, fix: str) 
             if value is None:
                 first_none = i if first_none is None else first_none
             else:
-                try:
-                    number = float(value)
-                except (TypeError, ValueError):
-                    number = math.nan
-                if not math.isfinite(number):
+                if not math.isfinite(as_number(value)):
                     raise DataError(f"{name}, row {i}, column {column!r}: {value!r} is not a finite number: {fix}.")
                 first_value = i if first_value is None else first_value
             if first_value is not None and first_none is not None:
