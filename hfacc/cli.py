@@ -145,6 +145,10 @@ def run_verify(argv: list[str], guard) -> int:
         examples = build_example_pairs(data_args, tokenizer, count, seed=verify_args.seed, unpaired=objective == "kto")
         pad = tokenizer.pad_token_id
         collate = DataCollatorForUnpairedPreference(pad) if objective == "kto" else DataCollatorForPreference(pad)
+        if objective == "kto":  # a reference unlike the policy, so the window's reference point is above 0
+            from .verify.equivalence import build_verify_kto
+
+            verify_args.objective = build_verify_kto(model, verify_args.seed)
     else:
         examples = build_examples(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
         if verify_args.objective == "grpo":  # a fixed rollout of the model on the data's prompts

@@ -1,7 +1,7 @@
 """Reward-model pairs, unpaired KTO rows, and the hand-written big-batch reference of both losses, in plain torch.
 
-Nothing here imports hfacc: the losses are written out from TRL's code and the KTO paper, the reward read at each
-sequence's last real token by hand, so a bug in hfacc's loss math, its layout or its accumulation cannot hide here.
+Nothing here imports hfacc: the losses are written out from TRL's code and the KTO paper, the reward is the model's
+own pooled score (transformers' rule: the rightmost token that is not the pad token), so a bug in hfacc's loss math, its layout or its accumulation cannot hide here.
 """
 
 from __future__ import annotations
@@ -41,11 +41,23 @@ def reward_pairs(n=8, vocab=64, seed=3, margins=True):
 
 
 def sequence_rewards(model, pairs) -> torch.Tensor:
-    """``[2B]`` (chosen first): the score head at each sequence's last real token, from the backbone by hand."""
+    """``[2B]`` (chosen first): the model's own score of each sequence, right-padded with 0 (its pad id), as TRL and
+    pipelines score it (the rightmost token that is not the pad token: the one before a final EOS when EOS is 0)."""
     ids, mask, _ = padded(pairs)
-    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    last = mask.sum(-1) - 1  # right padding: the last real position
-    return model.score(hidden)[torch.arange(ids.shape[0]), last, 0].float()
+    return model(input_ids=ids, attention_mask=mask).logits[:, 0].float()
+
+
+def ending_in_eos(pairs, eos=0):
+    """``pairs`` with EOS = the pad id appended to every answer (twice to the first chosen one), as a tokenizer
+    whose pad token is its EOS (TRL's default) gives them."""
+    out = []
+    for i, p in enumerate(pairs):
+        q = dict(p)
+        for side in ("chosen", "rejected"):
+            end = [eos] * (2 if i == 0 and side == "chosen" else 1)
+            q[f"{side}_input_ids"], q[f"{side}_labels"] = p[f"{side}_input_ids"] + end, p[f"{side}_labels"] + end
+        out.append(q)
+    return out
 
 
 def reward_big_batch(model, pairs, center=CENTER):

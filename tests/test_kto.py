@@ -9,6 +9,9 @@ KTOTrainer gives the values of its own loss code from the same log-probs; bad da
 training. Two ranks with uneven rows: tests/test_distributed.py (tests/reward_kto_check.py's cases).
 """
 
+import math
+import re
+
 import pytest
 import torch
 from datasets import Dataset
@@ -314,6 +317,27 @@ def test_bad_unpaired_data_is_one_named_error(tokenizer):
         objective.window_statistics(None, [{"label": torch.tensor([True])}])
 
 
+@pytest.mark.parametrize(
+    "column, bad, said",
+    [("ref_logps", None, "None, but row 0 has a value"), ("ref_logps", math.nan, "nan is not a finite number"),
+     ("ref_kl_logps", -math.inf, "-inf is not a finite number")],
+    ids=["None", "NaN", "-inf"],
+)  # fmt: skip
+def test_a_bad_precomputed_reference_log_prob_is_one_named_error_before_training(column, bad, said, tmp_path):
+    """Row 5 of 8 with a None (a collation error mid-run before) or a non-finite value (every step it was in was
+    skipped, each epoch): the trainer refuses the data when it is built, naming the column, the row and the fix."""
+    rows = [{**r, "ref_logps": -5.0, "ref_kl_logps": -6.0} for r in unpaired_rows(8, VOCAB)]
+    rows[5][column] = bad
+    args = train_args(tmp_path, 2, 1, args_class=TokenWeightedArguments)
+    with pytest.raises(DataError, match=rf"the training data, row 5, column '{column}': {said}: recompute them with "
+                       r"hfacc.precompute_reference_logps, or drop the columns"):  # fmt: skip
+        TokenWeightedTrainer(model=build_tiny_llama(vocab_size=VOCAB, hidden_size=16, num_layers=1), args=args,
+                             train_dataset=Dataset.from_list(rows), data_collator=COLLATE, objective=KTOObjective())  # fmt: skip
+    only = Dataset.from_list([{k: v for k, v in r.items() if k != "ref_kl_logps"} for r in rows[:5]])
+    with pytest.raises(DataError, match=r"has \['ref_logps'\] but not \['ref_kl_logps'\], which go together"):
+        KTOObjective().check_data(only)
+
+
 def test_reference_log_probs_are_precomputed_for_the_kl_rows_too(models, rows):
     other = models["other"]
     built = precompute_reference_logps(
@@ -337,12 +361,38 @@ def test_a_batch_without_its_window_is_its_own_window(models, rows):
 
 
 # ---- hfacc verify --objective kto -------------------------------------------------------------------------------
-def test_hfacc_verify_objective_kto_on_the_embedded_rows(capsys):
+VERIFY_KTO = ["verify", "--objective", "kto", "--per_device_train_batch_size", "3", "--gradient_accumulation_steps",
+              "3", "--embedded_hidden_size", "32", "--embedded_num_layers", "1"]  # fmt: skip
+
+
+def run_verify_kto(capsys):
     from hfacc.cli import main as cli_main
 
-    argv = ["verify", "--objective", "kto", "--per_device_train_batch_size", "3", "--gradient_accumulation_steps",
-            "3", "--embedded_hidden_size", "32", "--embedded_num_layers", "1"]  # fmt: skip
-    code = cli_main(argv)
-    out = capsys.readouterr().out
+    code = cli_main(VERIFY_KTO)
+    return code, capsys.readouterr().out
+
+
+def test_hfacc_verify_objective_kto_on_the_embedded_rows(capsys):
+    """Its reference is unlike the policy (a perturbed copy), so the window's z0 is well above 0 and TRL's
+    per-micro-batch z0 and means miss the big batch by far; the window line names the examples once."""
+    code, out = run_verify_kto(capsys)
     assert code == 0 and "PASS" in out and "objective   kto" in out
     assert "examples per micro-batch (rank 0): [3, 3, 3]" in out and "chunked log-probs" in out
+    assert "= 9 examples\n" in out and "'kto' counts examples exactly" in out
+    z0 = float(re.search(r"statistic   kto_reference_point = (\S+) over the window", out).group(1))
+    stock = float(re.search(r"mean of micro-batch means \(as TRL's trainers\): relative error (\S+)", out).group(1))
+    assert z0 > 1.0 and stock > 0.1, (z0, stock)
+
+
+def test_hfacc_verify_objective_kto_fails_with_a_reference_point_per_micro_batch(capsys, monkeypatch):
+    """Negative control: with no window statistic, each micro-batch takes its own z0 (TRL's way); verify must see it."""
+    window_statistics = KTOObjective.window_statistics
+
+    def per_micro_batch(self, model, batches, *args, **kwargs):  # none for a window: each batch takes its own z0
+        return window_statistics(self, model, batches, *args, **kwargs) if len(batches) == 1 else {}
+
+    monkeypatch.setattr(KTOObjective, "window_statistics", per_micro_batch)
+    code, out = run_verify_kto(capsys)
+    assert code == 1 and "FAIL" in out, out
+    error = float(re.search(r"one big batch \(fp32\): relative error (\S+)", out).group(1))
+    assert error > 1e-2, error

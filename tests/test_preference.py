@@ -29,6 +29,7 @@ from hfacc import (
     build_tiny_llama,
     iter_windows,
 )
+from hfacc.data.formats import DataError
 from hfacc.data.padding_free import remove_padding
 from hfacc.objectives.preference import hinge_loss, ipo_loss, preference_losses, robust_loss, sigmoid_loss, simpo_loss
 from hfacc.setup.model_setup import build_model_setup
@@ -421,6 +422,18 @@ def test_a_window_of_pairs_with_no_reference_log_probs_is_refused(models, pairs,
     rows[0].update(ref_chosen_logps=-1.0, ref_rejected_logps=-2.0)
     with pytest.raises(ValueError, match="some pairs of the micro-batch have reference log-probs"):
         COLLATE(rows[:2])
+
+
+def test_a_bad_precomputed_reference_log_prob_is_one_named_error(pairs):
+    """The trainer's check of the data before training (Objective.check_data): None in one pair of precomputed
+    columns, or a non-finite value, is named with its column, row and fix."""
+    rows = [{**p, "ref_chosen_logps": -1.0, "ref_rejected_logps": -2.0} for p in pairs]
+    rows[3]["ref_rejected_logps"] = float("nan")
+    with pytest.raises(DataError, match="the training data, row 3, column 'ref_rejected_logps': nan is not a finite"):
+        DPOObjective().check_data(Dataset.from_list(rows))
+    rows[3]["ref_rejected_logps"], rows[6]["ref_chosen_logps"] = -2.0, None
+    with pytest.raises(DataError, match="row 6, column 'ref_chosen_logps': None, but row 0 has a value: recompute"):
+        DPOObjective().check_data(Dataset.from_list(rows))
 
 
 def test_one_objective_set_up_for_a_second_model_compares_with_that_models_copy(models, pairs):

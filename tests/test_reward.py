@@ -1,9 +1,9 @@
 """Reward models (hfacc/objectives/reward.py): exact per pair under every split of the window.
 
 The contract (issue 31): with margins and centering, the splits bs 8 x GA 1, 2 x 4, 1 x 8, 3 x 3 (micro-batches of 3,
-3 and 2 pairs), padded and padding-free (packed rows and one row, each sequence scored at its own last token), give
-the update of a hand-written big batch (tests/reward_kto_reference.py: plain torch, no hfacc) to <= 1e-6 relative,
-fp32; TRL's RewardTrainer gives the values of its own loss code from the same scores; a reward model that cannot be
+3 and 2 pairs), padded and padding-free (packed rows and one row, each sequence scored where the model's own pooling
+reads it, pad = EOS too), give the update of a hand-written big batch (tests/reward_kto_reference.py: plain torch,
+no hfacc, the model's own pooled scores) to <= 1e-6 relative, fp32; TRL's RewardTrainer gives the values of its own loss code from the same scores; a reward model that cannot be
 read per position trains padded, said at WARNING; a bad model is one named error before training. Two ranks with
 uneven pairs: tests/test_distributed.py (tests/reward_kto_check.py's cases). The GRPO reward model: here too.
 """
@@ -31,7 +31,14 @@ from hfacc.objectives.reward import RewardSums, bradley_terry_loss
 from hfacc.ops.scores import get_sequence_scores
 from hfacc.setup.model_setup import build_model_setup
 from tests.helpers import CaptureGradients, relative_error, train_args
-from tests.reward_kto_reference import CENTER, reward_big_batch, reward_pairs, sequence_rewards, tiny_reward_model
+from tests.reward_kto_reference import (
+    CENTER,
+    ending_in_eos,
+    reward_big_batch,
+    reward_pairs,
+    sequence_rewards,
+    tiny_reward_model,
+)
 
 TOL = 1e-6
 SPLITS = [(8, 1), (2, 4), (1, 8), (3, 3)]  # (3, 3): micro-batches of 3, 3 and 2 pairs
@@ -93,7 +100,7 @@ def test_settings_and_models_are_checked():
 
 def test_the_score_is_read_at_each_sequences_own_last_token():
     """Right- and left-padded, and padding-free (one row, packed rows): the same scores as the model gives each
-    sequence alone (its last token; a pad id equal to a real token id does not move the read)."""
+    sequence alone (its last token: no sequence holds the pad id; with pad = EOS see the test after the fixtures)."""
     model = tiny_reward_model().eval()
     pairs = reward_pairs(3)
     batch = COLLATE(pairs)
@@ -282,6 +289,29 @@ def test_margins_are_kept_collated_and_checked():
         DataCollatorForPreference(0)([built[0], {k: v for k, v in built[1].items() if k != "margin"}])
 
 
+def test_a_partly_missing_margin_is_one_named_error_before_training(tmp_path):
+    """One pair of 16 without a margin (None): the trainer refuses the data when it is built, naming the column, the
+    row and the fix, not a collation error mid-run."""
+    tokenizer = build_default_tokenizer()
+    rows = [{"prompt": f"Q{i}?", "chosen": f" a{i}", "rejected": f" b{i}", "margin": None if i == 13 else 1.0}
+            for i in range(16)]  # fmt: skip
+    built = build_preference_dataset(Dataset.from_list(rows), tokenizer)
+    args = train_args(tmp_path, 2, 1, args_class=TokenWeightedArguments)
+    collate = DataCollatorForPreference(tokenizer.pad_token_id)
+    with pytest.raises(DataError, match=r"the training data, row 13, column 'margin': None, but row 0 has a value: "
+                       r"give every pair a finite margin \(0: no required gap\), or drop the column"):  # fmt: skip
+        TokenWeightedTrainer(model=tiny_reward_model(vocab=len(tokenizer)), args=args, train_dataset=built,
+                             data_collator=collate, objective=RewardObjective())  # fmt: skip
+    evaluation = Dataset.from_list(
+        [{**p, "margin": float("inf") if i == 1 else 0.5} for i, p in enumerate(reward_pairs(4, margins=False))]
+    )
+    with pytest.raises(DataError, match="the evaluation data, row 1, column 'margin': inf is not a finite number"):
+        RewardObjective().check_data(evaluation, "the evaluation data")
+    RewardObjective().check_data(
+        Dataset.from_list([{**p, "margin": None} for p in reward_pairs(2, margins=False)])
+    )  # none: no column
+
+
 # ---- a reward model as GRPO's reward ------------------------------------------------------------------------------
 def test_a_reward_model_object_or_path_is_a_grpo_reward(tmp_path):
     """TRL's rule: a sequence-classification model among reward_funcs scores prompt + completion through its own
@@ -314,13 +344,33 @@ def test_a_reward_model_object_or_path_is_a_grpo_reward(tmp_path):
         get_reward_function(two, tokenizer)
 
 
-def test_sequence_rewards_reference_is_the_models_own_pooling(model, pairs):
-    """The hand-written reference reads the score where transformers' own pooling does (right padding, a pad id 0
-    that no sequence holds): the reference is the model's score."""
-    batch = COLLATE(pairs)
+def test_with_pad_equal_to_eos_the_score_is_the_models_own(model, pairs):
+    """Pad id = EOS (TRL's default) and every answer ending in EOS: hfacc reads each score where the model's own
+    pooling does (the rightmost non-pad token, the one before the EOS), padded (right, left) and padding-free, so
+    the model trained here scores the same under model(**padded); and the accumulated update is the hand-written big
+    batch of those scores (tests/reward_kto_reference.py: model(**padded).logits)."""
+    from accelerate import Accelerator
+
+    eos_pairs = ending_in_eos(pairs[:4])  # the pad id 0 is EOS
+    batch = COLLATE(eos_pairs)
     with torch.no_grad():
-        pooled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
-        assert relative_error(sequence_rewards(model, pairs), pooled) <= 1e-6
+        own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        assert relative_error(sequence_rewards(model, eos_pairs), own) <= 1e-6
+        left = dict(batch)
+        shifts = [int((m == 0).sum()) for m in batch["attention_mask"]]
+        left["input_ids"] = torch.stack([r.roll(k) for r, k in zip(batch["input_ids"], shifts, strict=True)])
+        left["attention_mask"] = torch.stack([m.roll(k) for m, k in zip(batch["attention_mask"], shifts, strict=True)])
+        own_left = model(input_ids=left["input_ids"], attention_mask=left["attention_mask"]).logits[:, 0]
+        layouts = {"right": (batch, own), "left": (left, own_left)}
+        for one_row in (True, False):
+            layouts[f"padding-free {one_row}"] = (remove_padding(batch, one_row, keep=["margin"]), own)
+        for name, (laid, want) in layouts.items():
+            assert relative_error(get_sequence_scores(model, laid)[1], want) <= 1e-6, name
+    want, _, _ = reward_big_batch(model, eos_pairs)
+    objective = RewardObjective(CENTER)
+    for layout, (bs, ga) in (("padded", (1, 4)), ("packed rows", (3, 2))):
+        got = accumulate(model, objective, eos_pairs, bs, ga, Accelerator(cpu=True), layout)
+        assert relative_error(got, want) <= TOL, layout
 
 
 # ---- hfacc verify --objective reward ----------------------------------------------------------------------------

@@ -143,12 +143,17 @@ def cut_to(ids: Sequence[int], labels: Sequence[int], max_length: int, truncatio
     return ids[cut], labels[cut]
 
 
+def as_number(value: Any) -> float:
+    """``value`` as a float; NaN when it is none (a string, a list, None)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
 def get_margin(value: Any, index: Any) -> float:
     """A row's ``margin`` (the reward model's required score gap, TRL's column) as a finite float, or a DataError."""
-    try:
-        margin = float(value)
-    except (TypeError, ValueError):
-        margin = math.nan
+    margin = as_number(value)
     if not math.isfinite(margin):
         raise DataError(f"row {index}, field 'margin': {value!r} is not a finite number.")
     return margin
@@ -701,6 +706,50 @@ def all_or_none(examples: Sequence[Mapping[str, Any]], columns: Sequence[str], u
     if any(given) and not all(given):
         raise ValueError(f"some {unit} of the micro-batch have {what} and others do not; give all or none.")
     return bool(given) and all(given)
+
+
+REFERENCE_FIX = (
+    "recompute them with hfacc.precompute_reference_logps, or drop the columns (the reference model then computes "
+    "them)"
+)
+MARGIN_FIX = "give every pair a finite margin (0: no required gap), or drop the column"
+
+
+def check_row_values(dataset: Any, columns: Sequence[str], name: str, fix: str) -> None:
+    """Per-row numbers an objective reads (a ``margin``, precomputed reference log-probs), checked in every row of
+    ``dataset`` before any is collated: each of ``columns`` it has is a finite number in every row, or None in every
+    row (no column); ``columns`` are given together or not at all. Else a :class:`hfacc.data.formats.DataError`
+    naming ``name`` (which data), the column, the first bad row and ``fix``. A dataset without column names (a
+    stream, a list) is not read here.
+
+    >>> from datasets import Dataset
+    >>> check_row_values(Dataset.from_list([{"margin": 1.0}, {"margin": None}]), ["margin"], "the data", "fix it")
+    Traceback (most recent call last):
+    ...
+    hfacc.data.formats.DataError: the data, row 1, column 'margin': None, but row 0 has a value: fix it.
+    """
+    names = getattr(dataset, "column_names", None)
+    if not isinstance(names, (list, tuple)) or not hasattr(dataset, "__len__"):
+        return
+    given = []
+    for column in (c for c in columns if c in names):
+        first_value, first_none = None, None
+        for i, value in enumerate(dataset[column]):
+            if value is None:
+                first_none = i if first_none is None else first_none
+            else:
+                if not math.isfinite(as_number(value)):
+                    raise DataError(f"{name}, row {i}, column {column!r}: {value!r} is not a finite number: {fix}.")
+                first_value = i if first_value is None else first_value
+            if first_value is not None and first_none is not None:
+                raise DataError(
+                    f"{name}, row {first_none}, column {column!r}: None, but row {first_value} has a value: {fix}."
+                )
+        if first_value is not None:
+            given.append(column)
+    if given and len(given) < len(columns):
+        missing = [c for c in columns if c not in given]
+        raise DataError(f"{name} has {given} but not {missing}, which go together: {fix}.")
 
 
 @dataclass

@@ -62,7 +62,7 @@ class RewardModelFunction:
 
     The text is the prompt and the completion together: a chat prompt's messages and the completion's, rendered by
     the reward model's tokenizer's chat template; text prompts and completions concatenated (as TRL's
-    ``GRPOTrainer`` scores them). The score is the model's output at the sequence's last real token
+    ``GRPOTrainer`` scores them). The score is the model's output where its own pooling reads it
     (:func:`hfacc.ops.scores.get_sequence_scores`), without gradient, ``batch_size`` completions at a time.
 
     Args:

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from ..data.preference import KTO_REFERENCE_COLUMNS, REFERENCE_FIX, check_row_values
 from ..models.reference import ReferenceModel
 from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
 from ..ops.loss import WindowCounts
@@ -159,6 +160,11 @@ class KTOObjective(Objective):
         batch = context.batch
         self.reference = build_objective_reference(context, self.ref_model, forward_inputs(batch, self.row_keys),
                                                    get_targets(batch))  # fmt: skip
+
+    def check_data(self, dataset, name: str = "the training data") -> None:
+        """Precomputed ``ref_logps`` / ``ref_kl_logps``: finite numbers in every row, both or neither (one named error
+        before training: a None fails a collation mid-run, a NaN skips every step it is in)."""
+        check_row_values(dataset, KTO_REFERENCE_COLUMNS, name, REFERENCE_FIX)
 
     def check_fused(self, model, batch, normalization: str = "token") -> str | None:
         """Why the chunked log-probs would not be this model's own (None: they are)."""

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.preference import MARGIN, REF_LOGPS
+from ..data.preference import MARGIN, REF_LOGPS, REFERENCE_COLUMNS, REFERENCE_FIX, check_row_values
 from ..models.reference import ReferenceModel, build_reference_model
 from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
 from ..ops.loss import IGNORE_INDEX, WindowCounts
@@ -349,6 +349,11 @@ class DPOObjective(PairedRows, Objective):
         self.reference = build_objective_reference(
             context, self.ref_model, self._inputs(context.batch), self._targets(context.batch)
         )
+
+    def check_data(self, dataset, name: str = "the training data") -> None:
+        """Precomputed ``ref_chosen_logps`` / ``ref_rejected_logps``: finite numbers in every pair, both or neither
+        (one named error before training, never a failed collation or a skipped step mid-run)."""
+        check_row_values(dataset, REFERENCE_COLUMNS, name, REFERENCE_FIX)
 
     def check_fused(self, model, batch, normalization: str = "token") -> str | None:
         """Why the chunked log-probs would not be this model's own (None: they are); see

@@ -1,11 +1,11 @@
 """Reward models (Bradley-Terry): a pair is the unit of the loss, exact over the whole step.
 
 A reward model is a sequence-classification model with one output (``num_labels=1``) that scores a whole sequence:
-its score is the head's output at the sequence's last real token (:mod:`hfacc.ops.scores`). It trains on the pairs of
+its score is the head's output where the model's own pooling reads it (:mod:`hfacc.ops.scores`). It trains on the pairs of
 :func:`hfacc.build_preference_dataset` (standard, conversational or implicit-prompt rows, as for DPO; an optional
 ``margin`` column), collated by :class:`hfacc.DataCollatorForPreference` into one ``[2B, T]`` batch: chosen and
-rejected go through the model in one forward, padding-free by default (each packed sequence scored at its own last
-token). The window's loss, over its P pairs on all ranks, is TRL's ``RewardTrainer`` loss as one big batch has it,
+rejected go through the model in one forward, padding-free by default (each packed sequence scored where the model
+would score it alone). The window's loss, over its P pairs on all ranks, is TRL's ``RewardTrainer`` loss as one big batch has it,
 
     L = (1 / P) * sum_pairs [ -log sigmoid(r_c - r_r - m) + c * (r_c + r_r)^2 ]
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data.preference import MARGIN
+from ..data.preference import MARGIN, MARGIN_FIX, check_row_values
 from ..ops.loss import WindowCounts
 from ..ops.scores import PerPositionScores, get_sequence_scores, reward_model_problem
 from ..runtime.distributed import num_rows
@@ -76,7 +76,7 @@ class RewardObjective(PairedRows, Objective):
         center_rewards_coefficient: weight of ``(r_c + r_r)^2`` per pair (TRL's ``RewardConfig`` name); None: none.
 
     The model is a sequence-classification model with ``num_labels=1`` and a ``pad_token_id`` in its config (its own
-    pooling needs one; hfacc reads each score at the sequence's last real token itself, :mod:`hfacc.ops.scores`).
+    pooling needs one; hfacc reads each score where that pooling does, :mod:`hfacc.ops.scores`).
     Pairs carry an optional ``margin`` (a dataset column). Units: ``("pairs", "sequences")``. Logged (training and
     evaluation, over the interval's pairs on all ranks, TRL's names): ``loss``, ``accuracy`` (the share of pairs whose
     chosen score is higher), ``margin`` (mean ``r_c - r_r``), ``min_reward``, ``mean_reward``, ``max_reward`` (over
@@ -119,6 +119,10 @@ class RewardObjective(PairedRows, Objective):
         problem = reward_model_problem(context.model)
         if problem:
             raise ValueError(problem)
+
+    def check_data(self, dataset, name: str = "the training data") -> None:
+        """A ``margin`` column: a finite number in every pair, or in none (one named error before training)."""
+        check_row_values(dataset, (MARGIN,), name, MARGIN_FIX)
 
     def layout_view(self, model: nn.Module) -> nn.Module:
         """The layout check runs the head's score at every position (:class:`hfacc.ops.scores.PerPositionScores`); a

@@ -1,18 +1,22 @@
-"""A reward model's scores: a sequence-classification model's output at each sequence's own last real token.
+"""A reward model's scores: a sequence-classification model's output where its own pooling reads each sequence.
 
 transformers' sequence-classification heads of decoder models (``GenericForSequenceClassification``: Llama, Qwen,
 Mistral, Gemma, ...; GPT-2 and others alike) compute ``score(hidden)`` at *every* position, then keep one per row:
-the one at the row's rightmost token that is not ``pad_token_id``. hfacc reads the head's per-position output itself
-(a forward hook on ``score``; the forward still runs through every wrapper: DDP, DeepSpeed, PEFT) and takes each
-sequence's value at its own last real token:
+the one at the row's rightmost token that is not ``pad_token_id`` (position 0 when every token is). hfacc reads the
+head's per-position output itself (a forward hook on ``score``; the forward still runs through every wrapper: DDP,
+DeepSpeed, PEFT) and takes each sequence's value at the token that rule picks, so a model trained here scores the
+same under its own forward (TRL, pipelines, :class:`hfacc.generation.rewards.RewardModelFunction`):
 
-- in a padded batch, the last position of each row whose ``attention_mask`` is 1 (right or left padding);
+- in a padded batch, the row's rightmost token that is not ``pad_token_id`` (right or left padding), as the model;
 - in a padding-free layout (:func:`hfacc.data.padding_free.remove_padding`), where a row holds several sequences and
-  the model's own pooling would give one score per row, the last position of each sequence (``sequence_ids``).
+  the model's own pooling would give one score per row, each sequence's rightmost token that is not
+  ``pad_token_id`` (``sequence_ids``; its first token when every token is): what the model reads of it padded.
 
-So both layouts read the same token, and a pad token equal to EOS (TRL's default) does not move it: the model's own
-pooling would read the token before a final EOS. A model without a per-position ``score`` head (an encoder whose
-classifier reads a pooled first token) is read through its own pooled output, padded only.
+With a pad token equal to EOS (TRL's default) that is the token *before* a final EOS, in both layouts, as the model
+reads it; a distinct pad token makes the model (and hfacc) read the EOS itself. Without a ``pad_token_id`` the last
+real token is read (the model's own pooling then takes one sequence per batch). A model without a per-position
+``score`` head (an encoder whose classifier reads a pooled first token) is read through its own pooled output,
+padded only.
 """
 
 from __future__ import annotations
@@ -32,40 +36,65 @@ def get_score_head(model: nn.Module) -> nn.Module | None:
     return head if isinstance(head, nn.Module) else None
 
 
-def get_last_token_index(batch: Mapping[str, Any], shape: torch.Size) -> torch.Tensor:
-    """The flat index (into ``[rows * T]``) of each sequence's last real token, in sequence order: ``[n]``.
+def get_last_token_index(batch: Mapping[str, Any], shape: torch.Size, pad_token_id: int | None = None) -> torch.Tensor:
+    """The flat index (into ``[rows * T]``) of the token each sequence is scored at, in sequence order: ``[n]``.
 
-    A padding-free layout says which sequence each position holds (``sequence_ids``, -1 in the filler); a padded
-    batch, which positions are real (``attention_mask``); without either every row is one unpadded sequence.
+    With ``pad_token_id`` (the model's config's), the rule of transformers' own pooling: the rightmost token of the
+    row (of the sequence, padding-free) whose id is not ``pad_token_id``, or the first position when there is none.
+    Without one, the last real token. A padding-free layout says which sequence each position holds
+    (``sequence_ids``, -1 in the filler); a padded batch, which positions are real (``attention_mask``); without
+    either every row is one unpadded sequence.
 
     >>> get_last_token_index({"attention_mask": torch.tensor([[1, 1, 0], [0, 1, 1]])}, torch.Size([2, 3]))
     tensor([1, 5])
     >>> get_last_token_index({"sequence_ids": torch.tensor([[0, 0, 1, 1, 1, -1]]), "num_sequences": 2},
     ...                      torch.Size([1, 6]))
     tensor([1, 4])
+    >>> get_last_token_index({"input_ids": torch.tensor([[5, 6, 2, 2], [5, 2, 7, 2]])}, torch.Size([2, 4]), 2)
+    tensor([1, 6])
     """
     rows, width = shape[0], shape[1]
+    ids = batch.get("input_ids")
+    not_pad = ids != pad_token_id if pad_token_id is not None and torch.is_tensor(ids) else None
     owner = batch.get("sequence_ids")
     if owner is not None:
         owner = owner.expand(shape).flatten()
         real = owner >= 0
         positions = torch.arange(owner.numel(), device=owner.device)
-        last = torch.full((int(batch["num_sequences"]),), -1, dtype=torch.long, device=owner.device)
-        return last.scatter_reduce(0, owner[real], positions[real], reduce="amax")
+        count = int(batch["num_sequences"])
+        last = torch.full((count,), -1, dtype=torch.long, device=owner.device)
+        if not_pad is None:
+            return last.scatter_reduce(0, owner[real], positions[real], reduce="amax")
+        read = real & not_pad.flatten()
+        last = last.scatter_reduce(0, owner[read], positions[read], reduce="amax")
+        first = torch.full((count,), owner.numel(), dtype=torch.long, device=owner.device)
+        first = first.scatter_reduce(0, owner[real], positions[real], reduce="amin")
+        return torch.where(last >= 0, last, first)  # a sequence of pad tokens only: its first, as padded
+    columns = torch.arange(width, device=ids.device if torch.is_tensor(ids) else None)
+    if not_pad is not None:
+        last = (not_pad * columns).argmax(-1)  # transformers' rule: 0 when every token is pad_token_id
+        return torch.arange(rows, device=columns.device) * width + last
     mask = batch.get("attention_mask")
     if torch.is_tensor(mask) and mask.dim() == 2:
-        columns = torch.arange(width, device=mask.device)
+        columns = columns.to(mask.device)
         last = (mask.bool() * (columns + 1)).argmax(-1)  # the rightmost real position of each row
         return torch.arange(rows, device=mask.device) * width + last
     device = next((v.device for v in batch.values() if torch.is_tensor(v)), None)
     return torch.arange(rows, device=device) * width + width - 1
 
 
+def get_pad_token_id(model: nn.Module) -> int | None:
+    """The ``pad_token_id`` of ``model``'s (text) config, which its own pooling reads by; None without one."""
+    config = getattr(get_base_model(model), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "pad_token_id", None)
+
+
 def get_sequence_scores(
     model: nn.Module, batch: Mapping[str, Any], inputs: Mapping[str, Any] | None = None
 ) -> tuple[Any, torch.Tensor]:
     """Run ``model`` on ``inputs`` (default: ``batch``'s model inputs); return its outputs and the score of each of
-    ``batch``'s sequences ``[n]`` (fp32, differentiable), read at its own last real token (see the module doc).
+    ``batch``'s sequences ``[n]`` (fp32, differentiable), read where the model's own pooling reads it (the module doc).
 
     ``inputs`` default to :func:`hfacc.ops.model_io.forward_inputs` (no cache for packed rows). The model must give
     one value per position and sequence (``num_labels=1``). Without a per-position head, the
@@ -86,7 +115,8 @@ def get_sequence_scores(
     shape = batch["input_ids"].shape if torch.is_tensor(batch.get("input_ids")) else None
     if captured and shape is not None and tuple(captured[-1].shape[:2]) == tuple(shape[:2]):
         per_position = captured[-1][..., 0].float()
-        return outputs, per_position.flatten()[get_last_token_index(batch, shape)]
+        index = get_last_token_index(batch, shape, get_pad_token_id(model))
+        return outputs, per_position.flatten()[index]
     if batch.get("sequence_ids") is not None:
         raise ValueError(
             f"{type(get_base_model(model)).__name__} gives no score per position (no per-position 'score' head), so "
@@ -106,12 +136,12 @@ def reward_model_problem(model: nn.Module) -> str | None:
             f"{type(base).__name__} has num_labels={labels}, but a reward model gives one score per sequence: load it "
             "with num_labels=1 (AutoModelForSequenceClassification.from_pretrained(path, num_labels=1))"
         )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "pad_token_id", None) is None:
+    if get_pad_token_id(base) is None:
         return (
             f"{type(base).__name__}'s config has no pad_token_id, which its own pooling needs for batches of several "
-            "sequences: set model.config.pad_token_id = tokenizer.pad_token_id (hfacc reads each score at the "
-            "sequence's last real token by the attention mask; the pad token does not move it)"
+            "sequences: set model.config.pad_token_id = tokenizer.pad_token_id (hfacc reads each score where that "
+            "pooling does: the rightmost token that is not the pad token; give the tokenizer a pad token other than "
+            "EOS to score the EOS itself)"
         )
     return None
 
@@ -152,6 +182,7 @@ class PerPositionScores(nn.Module):
 __all__ = [
     "PerPositionScores",
     "get_last_token_index",
+    "get_pad_token_id",
     "get_score_head",
     "get_sequence_scores",
     "reward_model_problem",

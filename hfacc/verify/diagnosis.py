@@ -74,7 +74,7 @@ def diagnose(model, objective, batch, path, normalization, window, micro_batches
         )
     )
     if objective.exact:
-        findings.append(Finding("objective", True, f"'{objective.name}' counts targets exactly"))
+        findings.append(Finding("objective", True, f"'{objective.name}' counts {objective.units[0]} exactly"))
     else:
         findings.append(
             Finding(

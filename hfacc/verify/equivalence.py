@@ -102,14 +102,20 @@ class VerifyReport:
     def format(self) -> str:
         w = self.window
         other = w.get("stock", "stock transformers.Trainer") if self.path == "hfacc" else "hfacc TokenWeightedTrainer"
+        unit = w.get("unit", "targets")
+        units = "" if unit == "examples" else f", {w['num_targets']} {unit}"  # a unit that is the example: once
         lines = [
             "hfacc verify: do the accumulated micro-batches give the gradient of one big batch?",
             "",
             f"model       {self.model}",
             f"window      {w['micro_batch_size']} per micro-batch x {w['accumulation_steps']} micro-batches x "
-            f"{w['world_size']} rank(s) = {w['examples']} examples, {w['num_targets']} {w.get('unit', 'targets')}",
+            f"{w['world_size']} rank(s) = {w['examples']} examples{units}",
             f"            {w.get('unit', 'targets')} per micro-batch (rank 0): {w['targets_per_micro_batch']}",
             f"objective   {w['objective']}, normalization '{w['normalization']}', path '{self.path}'",
+            *[
+                f"statistic   {name} = {value:.4g} over the window (every micro-batch reads it)"
+                for name, value in w.get("statistics", {}).items()
+            ],
             f"loss        {w.get('loss_path', 'plain')}",
             "",
             f"gradient, accumulated vs one big batch (fp32): relative error {self.error:.2e}"
@@ -337,6 +343,7 @@ def verify_accumulation(
             else "stock transformers.Trainer",
             "normalization": normalization,
             "loss_path": loss_path,
+            "statistics": {k: float(v) for k, v in statistics.items() if isinstance(v, (int, float))},
         },
         model=f"{type(get_base_model(model)).__name__}, {sum(p.numel() for _, p in named) / 1e6:.2f} M trainable "
         f"parameters, checked in fp32",
@@ -380,6 +387,24 @@ class DistillVerifyArguments:
     beta: float = field(default=1.0, metadata={"help": "--objective distill: 0 forward KL, 1 reverse KL, else JSD."})
     temperature: float = field(default=1.0, metadata={"help": "--objective distill: both logits / temperature."})
     ce_weight: float = field(default=0.0, metadata={"help": "--objective distill: weight of the CE term."})
+
+
+def build_verify_kto(model: nn.Module, seed: int = 0, scale: float = 2.0):
+    """The :class:`hfacc.KTOObjective` ``hfacc verify --objective kto`` checks: its reference a frozen copy of
+    ``model`` whose output head is perturbed (seeded noise of std ``scale / sqrt(hidden)``).
+
+    The default reference, a copy of the policy, makes every log-ratio 0 and the reference point z0 = 0 at the
+    weights verify runs from: a z0 taken per micro-batch would then pass too. Noise on the reference's logits lowers
+    its log-prob of tokens it was not sure of (Jensen: the log-sum-exp grows), so the KL rows' log-ratios and z0 are
+    clearly above 0 and differ between micro-batches, and the window's z0 is what the check checks."""
+    from ..objectives.kto import KTOObjective
+
+    reference = copy.deepcopy(get_base_model(model))
+    weight = reference.get_output_embeddings().weight
+    noise = torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed + 2))
+    with torch.no_grad():
+        weight.add_((noise * (scale / math.sqrt(weight.shape[-1]))).to(weight))
+    return KTOObjective(ref_model=reference)
 
 
 def build_verify_distillation(distill_args: DistillVerifyArguments, model_args, tokenizer, seed: int = 0):
@@ -640,6 +665,7 @@ __all__ = [
     "VerifyArguments",
     "DistillVerifyArguments",
     "build_verify_distillation",
+    "build_verify_kto",
     "VerifyReport",
     "PolicyGradientVerifyReport",
     "verify_policy_gradient",
