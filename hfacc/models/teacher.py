@@ -292,8 +292,9 @@ def get_tokenizer_length(tokenizer) -> int | None:
 # ---- stored top-K log-probs ------------------------------------------------------------------------------------
 def check_stored_columns(dataset, vocab_size: int | None = None, name: str = "the training data") -> int:
     """Check a dataset's stored teacher columns row by row; return K. Every row needs one ``[K]`` list of
-    ``target_token_ids`` and of ``target_logprobs`` per token (as long as ``input_ids``), the same K everywhere, and
-    token ids below ``vocab_size``: a :class:`hfacc.data.formats.DataError` naming the first row that has not."""
+    ``target_token_ids`` and of ``target_logprobs`` per token (as long as ``input_ids``), the same K everywhere,
+    token ids in ``[0, vocab_size)``, and log-probs that are not NaN nor above 0 (up to :data:`LOGPROB_ROUNDING`;
+    -inf is a probability of 0): a :class:`hfacc.data.formats.DataError` naming the first row that has not."""
     import pyarrow.compute as pc
 
     table = dataset.with_format("arrow")[:] if hasattr(dataset, "with_format") else None
@@ -318,14 +319,71 @@ def check_stored_columns(dataset, vocab_size: int | None = None, name: str = "th
                 found = sorted(ks | ({k} if k else set()))
                 raise DataError(f"{name}: {column!r} lists have different lengths {found}: one K for every token.")
             k = next(iter(ks))
-    if vocab_size is not None and k:
-        top = pc.max(pc.list_flatten(pc.list_flatten(table[TEACHER_COLUMNS[0]]))).as_py()
-        if top is not None and top >= vocab_size:
-            raise DataError(
-                f"{name}: a stored teacher token id is {top}, beyond the student's vocabulary of {vocab_size} "
-                "tokens: the log-probs were computed with another tokenizer."
-            )
+    if k:
+        _check_stored_values(table, vocab_size, name)
     return k or 0
+
+
+# A stored log-prob a little above 0 is rounding (a log-softmax of a peaked row); more than this is no log-prob.
+LOGPROB_ROUNDING = 1e-4
+
+
+def _check_stored_values(table, vocab_size: int | None, name: str) -> None:
+    """Token ids in ``[0, vocab_size)`` and log-probs that are log-probs: not NaN, not above
+    :data:`LOGPROB_ROUNDING` (probabilities stored instead of their logarithm are all > 0); -inf is a probability of
+    0, read with :data:`LOGPROB_FLOOR`. A :class:`DataError` naming the first row and token that is not."""
+    import numpy as np
+
+    fix = "recompute the columns with hfacc.precompute_teacher_logprobs for these rows"
+    ids = TEACHER_COLUMNS[0]
+    found = _first_stored(table, ids, lambda v: v < 0)
+    if found is not None:
+        row, token, value = found
+        raise DataError(
+            f"row {row} of {name}: {ids!r} holds {value} at token {token}: a token id is never negative; {fix}."
+        )
+    if vocab_size is not None:
+        found = _first_stored(table, ids, lambda v: v >= vocab_size)
+        if found is not None:
+            row, token, value = found
+            raise DataError(
+                f"row {row} of {name}: {ids!r} holds {value} at token {token}, beyond the student's vocabulary of "
+                f"{vocab_size} tokens: the log-probs were computed with another tokenizer; {fix} with this one."
+            )
+    logprobs = TEACHER_COLUMNS[1]
+    found = _first_stored(table, logprobs, np.isnan)
+    if found is not None:
+        row, token, _ = found
+        raise DataError(
+            f"row {row} of {name}: {logprobs!r} holds NaN at token {token}: every stored log-prob must be a number "
+            f"(-inf, a probability of 0, is one); {fix}."
+        )
+    found = _first_stored(table, logprobs, lambda v: v > LOGPROB_ROUNDING)
+    if found is not None:
+        row, token, value = found
+        raise DataError(
+            f"row {row} of {name}: {logprobs!r} holds {value:.4g} at token {token}: log-probs are <= 0 (up to "
+            f"{LOGPROB_ROUNDING:g} of rounding). Probabilities stored instead? Store their logarithm, or {fix}."
+        )
+
+
+def _first_stored(table, column: str, bad) -> tuple[int, int, Any] | None:
+    """``(row, token, value)`` of the first stored value of ``column`` (a ``[K]`` list per token) where ``bad`` of
+    the flat values is true, or None."""
+    import numpy as np
+
+    rows = table[column].combine_chunks()
+    tokens = rows.flatten()
+    values = tokens.flatten().to_numpy(zero_copy_only=False)
+    flags = bad(values)
+    if not flags.any():
+        return None
+    i = int(np.argmax(flags))
+    token_starts = tokens.offsets.to_numpy() - tokens.offsets[0].as_py()
+    token = int(np.searchsorted(token_starts, i, side="right")) - 1
+    row_starts = rows.offsets.to_numpy() - rows.offsets[0].as_py()
+    row = int(np.searchsorted(row_starts, token, side="right")) - 1
+    return row, token - int(row_starts[row]), values[i].item()
 
 
 @torch.no_grad()
@@ -503,4 +561,5 @@ __all__ = [
     "check_teacher_tokenizer",
     "precompute_teacher_logprobs",
     "LOGPROB_FLOOR",
+    "LOGPROB_ROUNDING",
 ]
