@@ -351,6 +351,42 @@ def test_stored_columns_of_the_wrong_length_are_one_error(data):
         check_stored_columns(Dataset.from_list(rows), VOCAB)
 
 
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("negative id", "row 2 of the training data: 'target_token_ids' holds -1 at token 10: a token id is never"),
+        ("NaN", "row 2 of the training data: 'target_logprobs' holds NaN at token 10"),
+        ("probabilities", "row 0 of the training data: 'target_logprobs' holds 1 at token 0: log-probs are <= 0"),
+    ],
+)
+def test_stored_values_that_are_no_ids_or_log_probs_are_one_error_before_training(tmp_path, data, case, match):
+    """A -1 id was an IndexError mid-step, a NaN log-prob a silently skipped step, probabilities stored instead of
+    log-probs (all > 0) a silent wrong loss: each is a DataError when the trainer is built."""
+    rows = data["topk"].to_list()
+    if case == "negative id":
+        rows[2]["target_token_ids"][10][3] = -1
+    elif case == "NaN":
+        rows[2]["target_logprobs"][10][3] = math.nan
+    else:
+        rows = [{**r, "target_logprobs": [[math.exp(x) for x in k] for k in r["target_logprobs"]]} for r in rows]
+    args = train_args(tmp_path, 2, 4, args_class=TokenWeightedArguments)
+    with pytest.raises(DataError, match=match):
+        TokenWeightedTrainer(
+            model=make_student(), args=args, train_dataset=Dataset.from_list(rows), data_collator=COLLATE,
+            objective=DistillationObjective(),
+        )  # fmt: skip
+
+
+def test_stored_log_probs_may_round_above_zero_or_be_minus_infinity(data):
+    rows = data["topk"].to_list()
+    rows[1]["target_logprobs"][5][0] = 5e-5  # a log-softmax's rounding: below LOGPROB_ROUNDING (1e-4)
+    rows[1]["target_logprobs"][5][7] = -math.inf  # a probability of 0, read with LOGPROB_FLOOR
+    assert check_stored_columns(Dataset.from_list(rows), VOCAB) == 8
+    rows[1]["target_logprobs"][5][0] = 2e-4
+    with pytest.raises(DataError, match="row 1 of the training data: 'target_logprobs' holds 0.0002 at token 5"):
+        check_stored_columns(Dataset.from_list(rows), VOCAB)
+
+
 def test_bad_settings_name_the_field():
     for kwargs, match in (({"beta": 1.5}, "beta=1.5"), ({"temperature": 0}, "temperature=0"),
                           ({"ce_weight": -1}, "ce_weight=-1")):  # fmt: skip

@@ -213,6 +213,97 @@ def test_every_objective_goes_padding_free_in_bf16_and_stays_exact(tmp_path, cap
     assert relative_error(grads[(4, True)], grads[(8, True)]) <= get_rounding_bound(floor)
 
 
+# ---- the frozen models beside the policy compute in its precision -------------------------------------------------
+# accelerate's bf16=True wraps only the policy's forward in autocast. A reference (DPO, KTO) or a teacher computed in
+# fp32 beside it is off by bf16's rounding: with reference == policy at lr 0 the implicit rewards were -0.019 and
+# +0.041 (KTO, beta 1) instead of 0. Under the policy's autocast they are exactly 0, whichever way the reference comes.
+def frozen_run(kind, reference, tmp_path):
+    """A bf16=True step at lr 0 of ``kind`` ("dpo" / "kto", beta 1) whose reference equals the policy: ``given``
+    (a copy passed as ref_model), ``precomputed`` (hfacc.precompute_reference_logps in bf16), ``copy`` (default)."""
+    from datasets import Dataset
+
+    from hfacc import DataCollatorForUnpairedPreference, KTOObjective, precompute_reference_logps
+    from tests.preference_reference import make_pairs
+    from tests.reward_kto_reference import unpaired_rows
+
+    policy = build_tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, seed=0, initializer_range=0.1)
+    if kind == "dpo":
+        rows, collator, cls = make_pairs(8), DataCollatorForPreference(0), DPOObjective
+    else:
+        rows, collator = unpaired_rows(8, 64, completion_lengths=(20, 40)), DataCollatorForUnpairedPreference(0)
+        cls = KTOObjective
+    data = Dataset.from_list(rows)
+    if reference == "precomputed":
+        data = precompute_reference_logps(data, policy, pad_token_id=0, mixed_precision="bf16", show_progress=False)
+    objective = cls(beta=1.0, ref_model=copy.deepcopy(policy) if reference == "given" else None)
+    # Precomputed log-probs come from padded batches: trained padded, the policy computes them alike. (Padding-free,
+    # bf16 rounds a packed row otherwise than padded ones: DPO's mean rewards here are then 0 and -3.1e-4.)
+    layout = {"padding_free": False} if reference == "precomputed" else {}
+    args = train_args(tmp_path, 8, 1, args_class=TokenWeightedArguments, bf16=True, **layout)
+    trainer = TokenWeightedTrainer(
+        model=policy, args=args, train_dataset=data, data_collator=collator, objective=objective
+    )
+    trainer.train()
+    return trainer.state.log_history[0]
+
+
+@pytest.mark.parametrize("kind", ["dpo", "kto"])
+@pytest.mark.parametrize("reference", ["given", "precomputed", "copy"])
+def test_a_reference_equal_to_the_policy_gives_rewards_of_exactly_zero_in_bf16(tmp_path, kind, reference):
+    log = frozen_run(kind, reference, tmp_path)
+    assert log["rewards/chosen"] == 0.0 and log["rewards/rejected"] == 0.0, log
+    if kind == "kto":  # the reference point too, taken before the forwards (Objective.window_statistics)
+        assert log["kl"] == 0.0 and log["loss"] == 0.5, log
+
+
+def test_the_teacher_computes_in_the_students_precision(tmp_path):
+    """bf16=True distillation from a teacher equal to the student: the teacher's forwards in every step run under
+    the student's autocast (its decoder's linear outputs are bf16; its embeddings put out fp32 under autocast,
+    which does not cast a lookup), so the forward KL is exactly 0; stored top-K log-probs computed with
+    mixed_precision="bf16" are computed in bf16 too (fp32 otherwise, as before)."""
+    from datasets import Dataset
+
+    from hfacc import DistillationObjective, precompute_teacher_logprobs
+    from tests.distillation_reference import make_student, uneven_examples
+
+    student = make_student()
+    teacher = copy.deepcopy(student)
+    seen, watching = [], []
+    teacher.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda module, args, out: seen.append(out.dtype) if watching else None
+    )
+    objective = DistillationObjective(teacher, beta=0.0)
+    rows = objective.teacher_rows
+
+    def watched(*args):
+        watching.append(True)
+        try:
+            return rows(*args)
+        finally:
+            watching.clear()
+
+    objective.teacher_rows = watched
+    args = train_args(tmp_path, 8, 1, args_class=TokenWeightedArguments, bf16=True)
+    trainer = TokenWeightedTrainer(
+        model=student, args=args, train_dataset=Dataset.from_list(uneven_examples()), data_collator=COLLATE,
+        objective=objective,
+    )  # fmt: skip
+    trainer.train()
+    assert seen and set(seen) == {BF16}, seen
+    assert trainer.state.log_history[0]["loss"] == 0.0
+    stored = {}
+    for precision in (None, "bf16"):
+        seen.clear()
+        watching.append(True)
+        data = precompute_teacher_logprobs(
+            Dataset.from_list(uneven_examples(2)), teacher, top_k=4, mixed_precision=precision, show_progress=False
+        )
+        watching.clear()
+        assert set(seen) == {torch.float32 if precision is None else BF16}
+        stored[precision] = torch.tensor(data["target_logprobs"][0])
+    assert 0 < (stored["bf16"] - stored[None]).abs().max() < 0.1  # bf16's rounding of the same log-probs
+
+
 # ---- a model that leaks is caught in every precision; one that does not passes in every precision ---------------
 def in_precision(model, precision):
     """``(model, autocast)``: the model with its weights in ``precision``'s dtype, or under its autocast."""

@@ -32,6 +32,7 @@ from ..generation.evaluation import exact_match_by_group, exact_match_on_convers
 from ..models.loading import ModelArguments, load_causal_lm, load_model_and_tokenizer
 from ..models.teacher import check_teacher_tokenizer, precompute_teacher_logprobs
 from ..objectives.distillation import DistillationObjective
+from ..ops.precision import get_training_autocast
 from ..runtime.config import ConfigError, get_default_config
 from ..training.distill_trainer import DistillationArguments, DistillationTrainer
 from ..training.trainer import TokenWeightedTrainer
@@ -115,6 +116,7 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
     if job.precompute_teacher_logprobs:
         cache = job.precompute_cache_dir or str(Path(args.output_dir) / "teacher_logprobs")
         options = dict(top_k=job.teacher_top_k, pad_token_id=tokenizer.pad_token_id, vocab_size=len(tokenizer))
+        options["mixed_precision"] = get_training_autocast(args)  # as a live teacher would compute beside the student
         teacher.to(args.device)
         train_ds = precompute_teacher_logprobs(train_ds, teacher, device=args.device, cache_dir=cache, **options)
         eval_ds = precompute_teacher_logprobs(eval_ds, teacher, device=args.device, **options, show_progress=False)

@@ -41,6 +41,7 @@ from ..generation.vllm_engine import VLLMArguments, build_generation_engine, che
 from ..models.loading import ModelArguments, get_tokenizer, load_causal_lm, load_model_and_tokenizer
 from ..models.reference import precompute_reference_logps
 from ..objectives.preference import LOSS_TYPES, DPOObjective
+from ..ops.precision import get_training_autocast
 from ..runtime.config import ConfigError, get_default_config, parse_args
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
@@ -222,10 +223,12 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
         reference = ref_model if ref_model is not None else model  # the policy before training: the reference
         pad = tokenizer.pad_token_id
         size = dpo_args.precompute_ref_batch_size
-        train_ds = precompute_reference_logps(
-            train_ds, reference, pad_token_id=pad, batch_size=size, device=args.device
+        # In the precision training will compute the policy in (bf16=True: its autocast), so that r = 0 at the start.
+        options = dict(
+            pad_token_id=pad, batch_size=size, device=args.device, mixed_precision=get_training_autocast(args)
         )
-        eval_ds = precompute_reference_logps(eval_ds, reference, pad_token_id=pad, batch_size=size, device=args.device)
+        train_ds = precompute_reference_logps(train_ds, reference, **options)
+        eval_ds = precompute_reference_logps(eval_ds, reference, **options)
         ref_model = None
     objective = DPOObjective(
         beta=dpo_args.beta,

@@ -31,6 +31,7 @@ from ..data.preference import DataCollatorForUnpairedPreference, build_preferenc
 from ..models.loading import ModelArguments, load_causal_lm, load_model_and_tokenizer
 from ..models.reference import precompute_reference_logps
 from ..objectives.kto import KTOObjective
+from ..ops.precision import get_training_autocast
 from ..runtime.config import get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
@@ -97,10 +98,12 @@ def main(kto_args: KTOArguments, model_args: ModelArguments, args: TokenWeighted
     if kto_args.precompute_ref_log_probs:
         reference = ref_model if ref_model is not None else model  # the policy before training: the reference
         pad, size = tokenizer.pad_token_id, kto_args.precompute_ref_batch_size
-        train_ds = precompute_reference_logps(
-            train_ds, reference, pad_token_id=pad, batch_size=size, device=args.device
+        # In the precision training will compute the policy in (bf16=True: its autocast), so that r = 0 at the start.
+        options = dict(
+            pad_token_id=pad, batch_size=size, device=args.device, mixed_precision=get_training_autocast(args)
         )
-        eval_ds = precompute_reference_logps(eval_ds, reference, pad_token_id=pad, batch_size=size, device=args.device)
+        train_ds = precompute_reference_logps(train_ds, reference, **options)
+        eval_ds = precompute_reference_logps(eval_ds, reference, **options)
         ref_model = None
     objective = KTOObjective(
         beta=kto_args.beta,

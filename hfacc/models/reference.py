@@ -40,6 +40,7 @@ from ..data.preference import (
 from ..ops.logprobs import TokenLogProbs, check_fused_logprobs, get_token_logprobs
 from ..ops.loss import shift_labels
 from ..ops.model_io import get_base_model
+from ..ops.precision import as_autocast_dtype, autocast_like, get_autocast_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +70,22 @@ class ReferenceModel:
         disable_adapter: run ``module.disable_adapter()`` around each forward (PEFT policies: the base model).
         fused: take the log-probs from the hidden states in chunks; None decides on the first batch
             (:func:`hfacc.ops.logprobs.check_fused_logprobs`).
+        autocast: the dtype the policy's forwards autocast in (accelerate's ``bf16=True`` / ``fp16=True``), which
+            the reference's forwards then run under too (:func:`hfacc.ops.precision.autocast_like`), wherever they
+            run (inside the training step or before it, in :meth:`hfacc.Objective.window_statistics`): with the
+            reference equal to the policy every log-ratio is then exactly 0 in mixed precision too. None: as the
+            module computes (its weights' dtype, or the autocast wrapper a frozen copy of the policy inherits).
     """
 
-    def __init__(self, module: nn.Module, *, disable_adapter: bool = False, fused: bool | None = None):
-        self.module, self.disable_adapter, self.fused = module, disable_adapter, fused
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        disable_adapter: bool = False,
+        fused: bool | None = None,
+        autocast: torch.dtype | None = None,
+    ):
+        self.module, self.disable_adapter, self.fused, self.autocast = module, disable_adapter, fused, autocast
 
     @torch.no_grad()
     def logprobs(
@@ -101,7 +114,11 @@ class ReferenceModel:
             return check_fused_logprobs(self.module, inputs, targets, temperature)
 
     def _context(self):
-        return self.module.disable_adapter() if self.disable_adapter else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(autocast_like(self.module, self.autocast))
+        if self.disable_adapter:
+            stack.enter_context(self.module.disable_adapter())
+        return stack
 
     def __repr__(self) -> str:
         kind = "the policy with its adapter disabled" if self.disable_adapter else type(self.module).__name__
@@ -129,13 +146,19 @@ def build_reference_model(
     policy: nn.Module, ref_model: nn.Module | None = None, accelerator=None, initial_policy: nn.Module | None = None
 ) -> ReferenceModel:
     """The reference of ``policy``: ``ref_model`` if given, else the PEFT base or a frozen copy (see the module doc),
-    placed like the policy.
+    placed like the policy, its forwards run in the precision the policy's run in (its autocast: ``bf16=True``).
 
     Call it before the policy's first update: the copy is of the weights as they are now, or ``initial_policy``'s
     (:func:`copy_initial_policy`: the policy before a resumed run loaded its checkpoint). Under DeepSpeed ZeRO-3 and
     FSDP2 the reference is sharded as the policy is (:func:`build_sharded_reference`), so no rank ever holds a
     second whole model; under DDP and ZeRO-1/2 it is whole on every rank (it takes no gradient, so it is not wrapped).
     """
+    reference = _place_reference(policy, ref_model, accelerator, initial_policy)
+    reference.autocast = get_autocast_dtype(policy)  # accelerate wraps only the policy's forward in it
+    return reference
+
+
+def _place_reference(policy, ref_model, accelerator, initial_policy) -> ReferenceModel:
     if ref_model is not None:
         module = unwrap_model(ref_model)
         module.requires_grad_(False)
@@ -150,7 +173,7 @@ def build_reference_model(
         return ReferenceModel(unwrap_model(policy), disable_adapter=True)
     if initial_policy is not None:
         logger.info("hfacc: reference model: a frozen copy of the policy as the run started (before its checkpoint).")
-        return build_reference_model(policy, initial_policy, accelerator)
+        return _place_reference(policy, initial_policy, accelerator, None)
     engine = sharded_engine(policy, accelerator)
     if engine is not None:
         return build_sharded_reference(policy, accelerator, engine)
@@ -358,6 +381,7 @@ def precompute_reference_logps(
     device: torch.device | str | None = None,
     chunk_size: int = 0,
     show_progress: bool = True,
+    mixed_precision: str | torch.dtype | None = None,
 ):
     """``dataset`` (a built preference dataset) with each sequence's log-prob under ``reference``, summed over its
     scored tokens, computed once, with a progress bar: ``ref_chosen_logps`` and ``ref_rejected_logps`` for pairs;
@@ -368,11 +392,21 @@ def precompute_reference_logps(
     Training with these columns needs no reference model in memory (:class:`hfacc.DPOObjective` and
     :class:`hfacc.KTOObjective` read them from the batch). Every process computes every row (a sharded reference's
     forwards are collectives).
+
+    ``mixed_precision``: the mixed precision training will run in (``"bf16"``, ``"fp16"``, a dtype;
+    :func:`hfacc.ops.precision.get_training_autocast` reads it from ``TrainingArguments``): the reference runs under
+    that autocast, as the policy's forwards will, so that a reference equal to the policy gives log-ratios of
+    exactly 0 (fp32 log-probs against bf16 ones differ by bf16's rounding). None: as ``reference`` computes now.
     """
     from tqdm.auto import tqdm
 
     if not isinstance(reference, ReferenceModel):
-        reference = ReferenceModel(reference, disable_adapter=is_peft_model(reference))
+        reference = ReferenceModel(
+            reference, disable_adapter=is_peft_model(reference), autocast=get_autocast_dtype(reference)
+        )
+    if mixed_precision is not None:
+        reference = copy.copy(reference)  # the caller's ReferenceModel keeps its own precision
+        reference.autocast = as_autocast_dtype(mixed_precision)
     module = reference.module
     device = torch.device(device) if device is not None else next(module.parameters()).device
     unpaired = "completion_input_ids" in dataset.column_names

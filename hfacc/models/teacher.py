@@ -20,6 +20,7 @@ padded beyond the tokenizer is cut to the tokenizer's length; a different vocabu
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -37,6 +38,7 @@ from ..ops.fused_loss import fused_loss_problem, swap_output_head
 from ..ops.logprobs import HiddenStatesHead, chunk_logits
 from ..ops.loss import IGNORE_INDEX, shift_labels
 from ..ops.model_io import get_base_model, get_logits, model_inputs
+from ..ops.precision import as_autocast_dtype, autocast_like, get_autocast_dtype
 from ..runtime.config import ConfigError
 from .reference import build_reference_model, reshard, sharded_engine, unwrap_model
 
@@ -63,6 +65,9 @@ class TeacherRows:
     logits: torch.Tensor | None = None
     ids: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
+    autocast: torch.dtype | None = (
+        None  # the teacher's forward's autocast: its logits of each chunk are computed in it
+    )
 
     @property
     def is_topk(self) -> bool:
@@ -75,7 +80,8 @@ class TeacherRows:
             return {"teacher_ids": self.ids[rows], "teacher_logprobs": self.logprobs[rows]}
         if self.logits is not None:
             return {"teacher_logits": self.logits[rows].float()}
-        return {"teacher_logits": chunk_logits(self.hidden[rows], self.weight, self.bias)}
+        with autocast_like(self.hidden, self.autocast):
+            return {"teacher_logits": chunk_logits(self.hidden[rows], self.weight, self.bias)}
 
     def full(self) -> dict[str, torch.Tensor]:
         """All N rows at once (the plain path, which holds full logits anyway)."""
@@ -105,10 +111,14 @@ class TeacherModel:
         vocab_size: the vocabulary shared with the student: the teacher's logits are cut to its first
             ``vocab_size`` tokens.
         fused: take the logits from the final hidden states in chunks; None decides on the first batch.
+        autocast: the dtype the student's forwards autocast in (``bf16=True``): the teacher's run under it too
+            (:func:`hfacc.ops.precision.autocast_like`), its last projection included; None: as the module computes.
     """
 
-    def __init__(self, module: nn.Module, vocab_size: int, *, fused: bool | None = None):
-        self.module, self.vocab_size, self.fused = module, vocab_size, fused
+    def __init__(
+        self, module: nn.Module, vocab_size: int, *, fused: bool | None = None, autocast: torch.dtype | None = None
+    ):
+        self.module, self.vocab_size, self.fused, self.autocast = module, vocab_size, fused, autocast
         # Sharded (ZeRO-3, FSDP2): the projection is whole only inside its forward, so the student's loss reads a copy.
         self.sharded = sharded_engine(module)
         self.copy_weight = self.sharded is not None
@@ -123,18 +133,19 @@ class TeacherModel:
             if self.fused is None:
                 self.fused = self.check_fused(inputs, mask) is None
             if not self.fused:
-                logits = get_logits(module(**inputs))[mask][:, : self.vocab_size]
+                with autocast_like(module, self.autocast):
+                    logits = get_logits(module(**inputs))[mask][:, : self.vocab_size]
                 return TeacherRows(logits=logits.detach())
             head = HiddenStatesHead(
                 get_base_model(module).get_output_embeddings(), mask, self.copy_weight, self.vocab_size
             )
-            with swap_output_head(module, head):
+            with swap_output_head(module, head), autocast_like(module, self.autocast):
                 module(**inputs)
         finally:
             module.train(was_training)
             if self.sharded == "FSDP2":
                 reshard(module)  # its root would stay gathered after the forward: no backward follows
-        return TeacherRows(hidden=head.hidden, weight=head.weight, bias=head.bias)
+        return TeacherRows(hidden=head.hidden, weight=head.weight, bias=head.bias, autocast=self.autocast)
 
     @torch.no_grad()
     def check_fused(self, inputs: Mapping[str, Any], mask: torch.Tensor) -> str | None:
@@ -148,10 +159,11 @@ class TeacherModel:
         was_training = module.training
         module.eval()  # dropout would make the two runs differ for reasons that have nothing to do with the head
         try:
-            plain = get_logits(module(**inputs))[mask][:, : self.vocab_size].float()
+            with autocast_like(module, self.autocast):
+                plain = get_logits(module(**inputs))[mask][:, : self.vocab_size].float()
             head = HiddenStatesHead(get_base_model(module).get_output_embeddings(), mask, True, self.vocab_size)
             try:
-                with swap_output_head(module, head):
+                with swap_output_head(module, head), autocast_like(module, self.autocast):
                     module(**inputs)
             except Exception as err:  # a model whose forward does something unexpected with the projection's output
                 return f"the teacher's forward without its logits failed ({type(err).__name__}: {err})"
@@ -159,10 +171,11 @@ class TeacherModel:
             module.train(was_training)
             if self.sharded == "FSDP2":
                 reshard(module)
-        chunked = chunk_logits(head.hidden, head.weight, head.bias)
+        with autocast_like(module, self.autocast):
+            chunked = chunk_logits(head.hidden, head.weight, head.bias)
         scale = plain.abs().max().clamp(min=1.0) if plain.numel() else 1.0
         difference = float((chunked - plain).abs().max() / scale) if plain.numel() else 0.0
-        tolerance = 1e-5 if head.weight.dtype == torch.float32 else 2e-2
+        tolerance = 1e-5 if head.weight.dtype == torch.float32 and self.autocast is None else 2e-2
         if not difference <= tolerance:
             return f"the teacher post-processes its logits (they differ from its projection's by {difference:.1e})"
         return None
@@ -262,7 +275,7 @@ def build_teacher(
     else:
         module = build_reference_model(student, teacher, accelerator).module
     logger.info("hfacc: teacher %s, frozen, vocabulary of %d tokens.", type(get_base_model(module)).__name__, shared)
-    return TeacherModel(module, shared)
+    return TeacherModel(module, shared, autocast=get_autocast_dtype(student))  # the student's forwards' precision
 
 
 def get_tokenizer_length(tokenizer) -> int | None:
@@ -279,8 +292,9 @@ def get_tokenizer_length(tokenizer) -> int | None:
 # ---- stored top-K log-probs ------------------------------------------------------------------------------------
 def check_stored_columns(dataset, vocab_size: int | None = None, name: str = "the training data") -> int:
     """Check a dataset's stored teacher columns row by row; return K. Every row needs one ``[K]`` list of
-    ``target_token_ids`` and of ``target_logprobs`` per token (as long as ``input_ids``), the same K everywhere, and
-    token ids below ``vocab_size``: a :class:`hfacc.data.formats.DataError` naming the first row that has not."""
+    ``target_token_ids`` and of ``target_logprobs`` per token (as long as ``input_ids``), the same K everywhere,
+    token ids in ``[0, vocab_size)``, and log-probs that are not NaN nor above 0 (up to :data:`LOGPROB_ROUNDING`;
+    -inf is a probability of 0): a :class:`hfacc.data.formats.DataError` naming the first row that has not."""
     import pyarrow.compute as pc
 
     table = dataset.with_format("arrow")[:] if hasattr(dataset, "with_format") else None
@@ -305,14 +319,71 @@ def check_stored_columns(dataset, vocab_size: int | None = None, name: str = "th
                 found = sorted(ks | ({k} if k else set()))
                 raise DataError(f"{name}: {column!r} lists have different lengths {found}: one K for every token.")
             k = next(iter(ks))
-    if vocab_size is not None and k:
-        top = pc.max(pc.list_flatten(pc.list_flatten(table[TEACHER_COLUMNS[0]]))).as_py()
-        if top is not None and top >= vocab_size:
-            raise DataError(
-                f"{name}: a stored teacher token id is {top}, beyond the student's vocabulary of {vocab_size} "
-                "tokens: the log-probs were computed with another tokenizer."
-            )
+    if k:
+        _check_stored_values(table, vocab_size, name)
     return k or 0
+
+
+# A stored log-prob a little above 0 is rounding (a log-softmax of a peaked row); more than this is no log-prob.
+LOGPROB_ROUNDING = 1e-4
+
+
+def _check_stored_values(table, vocab_size: int | None, name: str) -> None:
+    """Token ids in ``[0, vocab_size)`` and log-probs that are log-probs: not NaN, not above
+    :data:`LOGPROB_ROUNDING` (probabilities stored instead of their logarithm are all > 0); -inf is a probability of
+    0, read with :data:`LOGPROB_FLOOR`. A :class:`DataError` naming the first row and token that is not."""
+    import numpy as np
+
+    fix = "recompute the columns with hfacc.precompute_teacher_logprobs for these rows"
+    ids = TEACHER_COLUMNS[0]
+    found = _first_stored(table, ids, lambda v: v < 0)
+    if found is not None:
+        row, token, value = found
+        raise DataError(
+            f"row {row} of {name}: {ids!r} holds {value} at token {token}: a token id is never negative; {fix}."
+        )
+    if vocab_size is not None:
+        found = _first_stored(table, ids, lambda v: v >= vocab_size)
+        if found is not None:
+            row, token, value = found
+            raise DataError(
+                f"row {row} of {name}: {ids!r} holds {value} at token {token}, beyond the student's vocabulary of "
+                f"{vocab_size} tokens: the log-probs were computed with another tokenizer; {fix} with this one."
+            )
+    logprobs = TEACHER_COLUMNS[1]
+    found = _first_stored(table, logprobs, np.isnan)
+    if found is not None:
+        row, token, _ = found
+        raise DataError(
+            f"row {row} of {name}: {logprobs!r} holds NaN at token {token}: every stored log-prob must be a number "
+            f"(-inf, a probability of 0, is one); {fix}."
+        )
+    found = _first_stored(table, logprobs, lambda v: v > LOGPROB_ROUNDING)
+    if found is not None:
+        row, token, value = found
+        raise DataError(
+            f"row {row} of {name}: {logprobs!r} holds {value:.4g} at token {token}: log-probs are <= 0 (up to "
+            f"{LOGPROB_ROUNDING:g} of rounding). Probabilities stored instead? Store their logarithm, or {fix}."
+        )
+
+
+def _first_stored(table, column: str, bad) -> tuple[int, int, Any] | None:
+    """``(row, token, value)`` of the first stored value of ``column`` (a ``[K]`` list per token) where ``bad`` of
+    the flat values is true, or None."""
+    import numpy as np
+
+    rows = table[column].combine_chunks()
+    tokens = rows.flatten()
+    values = tokens.flatten().to_numpy(zero_copy_only=False)
+    flags = bad(values)
+    if not flags.any():
+        return None
+    i = int(np.argmax(flags))
+    token_starts = tokens.offsets.to_numpy() - tokens.offsets[0].as_py()
+    token = int(np.searchsorted(token_starts, i, side="right")) - 1
+    row_starts = rows.offsets.to_numpy() - rows.offsets[0].as_py()
+    row = int(np.searchsorted(row_starts, token, side="right")) - 1
+    return row, token - int(row_starts[row]), values[i].item()
 
 
 @torch.no_grad()
@@ -328,6 +399,7 @@ def precompute_teacher_logprobs(
     cache_dir: str | Path | None = None,
     block_size: int = 512,
     show_progress: bool = True,
+    mixed_precision: str | torch.dtype | None = None,
 ):
     """``dataset`` (SFT rows: ``input_ids``, ``labels``) with the teacher's top-K next-token log-probs as columns
     ``target_token_ids`` and ``target_logprobs``, computed once, with a progress bar.
@@ -343,6 +415,10 @@ def precompute_teacher_logprobs(
     ``cache_dir``: resumable. Every ``block_size`` rows are written there as they are done (with a fingerprint of the
     dataset, the teacher and the settings); a run stopped midway computes only the blocks not written yet, and a
     finished one reads them all. Every process computes every row (a sharded teacher's forwards are collectives).
+
+    ``mixed_precision``: the mixed precision training will run in (``"bf16"``, ``"fp16"``, a dtype;
+    :func:`hfacc.ops.precision.get_training_autocast` reads it from ``TrainingArguments``): the teacher runs under
+    that autocast, as a live teacher beside the student would. None: as ``teacher`` computes now.
     """
     import datasets
     from tqdm.auto import tqdm
@@ -351,7 +427,10 @@ def precompute_teacher_logprobs(
         raise ValueError(f"top_k={top_k}: it must be >= 1.")
     if not isinstance(teacher, TeacherModel):
         module = unwrap_model(teacher)
-        teacher = TeacherModel(module, vocab_size or get_vocab_rows(module))
+        teacher = TeacherModel(module, vocab_size or get_vocab_rows(module), autocast=get_autocast_dtype(teacher))
+    if mixed_precision is not None:
+        teacher = copy.copy(teacher)  # the caller's TeacherModel keeps its own precision
+        teacher.autocast = as_autocast_dtype(mixed_precision)
     module = teacher.module
     if top_k > teacher.vocab_size:
         raise ValueError(f"top_k={top_k} exceeds the vocabulary ({teacher.vocab_size} tokens).")
@@ -434,6 +513,8 @@ class _BlockCache:
             "vocab": teacher.vocab_size,
             "block": block_size,
         }
+        if teacher.autocast is not None:  # log-probs computed in another precision are other log-probs
+            key["autocast"] = str(teacher.autocast)
         self.fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.directory.mkdir(parents=True, exist_ok=True)
         marker = self.directory / "fingerprint.txt"
@@ -480,4 +561,5 @@ __all__ = [
     "check_teacher_tokenizer",
     "precompute_teacher_logprobs",
     "LOGPROB_FLOOR",
+    "LOGPROB_ROUNDING",
 ]

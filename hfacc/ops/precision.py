@@ -11,7 +11,9 @@ Mixed precision comes in two forms, and a run may have both:
   runs in the weights' dtype, autocast or not.
 
 :func:`get_compute_dtype` reads which one a model is in, now; :func:`without_autocast` runs a block in the weights'
-own dtype; :func:`get_check_precision` says where hfacc's once-per-model checks run (fp32 with autocast off for fp32
+own dtype; :func:`autocast_like` runs a frozen model beside the trained one (a reference, a teacher) under the
+trained model's autocast, so that both compute in one precision (:func:`get_training_autocast`: the one a run's
+arguments will give); :func:`get_check_precision` says where hfacc's once-per-model checks run (fp32 with autocast off for fp32
 weights: they judge the model, not a precision's rounding); :func:`get_tolerance` is the bound of two computations
 that are equal in exact arithmetic, and :func:`get_rounding_bound` the one of a gradient computed in half precision
 against its big batch, from that precision's noise floor.
@@ -60,6 +62,45 @@ def get_autocast_dtype(model: nn.Module) -> torch.dtype | None:
 def get_compute_dtype(model: nn.Module) -> torch.dtype:
     """The dtype ``model``'s matrix products run in when it is called now: autocast's, else its weights'."""
     return get_autocast_dtype(model) or get_weights_dtype(model)
+
+
+def as_autocast_dtype(precision: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bf16"`` / ``"fp16"`` / ``"fp8"`` (accelerate's names) or a dtype -> the dtype autocast computes in; None,
+    ``"no"`` and fp32 -> None (no autocast)."""
+    if precision is None or isinstance(precision, torch.dtype):
+        return None if precision in (None, torch.float32) else precision
+    if str(precision) in ("no", "fp32"):
+        return None
+    if str(precision) not in AUTOCAST_DTYPES:
+        raise ValueError(f"mixed_precision={precision!r}: give 'bf16', 'fp16', 'no' or a torch dtype.")
+    return AUTOCAST_DTYPES[str(precision)]
+
+
+def get_training_autocast(args) -> torch.dtype | None:
+    """The dtype a run with these ``TrainingArguments`` autocasts its model's forwards in: bf16 for ``bf16=True``,
+    fp16 for ``fp16=True``, else None. For what is computed once before training (precomputed reference or teacher
+    log-probs), so that it is computed as the policy will compute."""
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return None
+
+
+def autocast_like(model: nn.Module | torch.Tensor, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    """Run ``model`` (or what is computed from a tensor) under autocast in ``dtype`` inside the block (None: as it
+    runs now).
+
+    For a frozen model beside the trained one (a DPO/KTO reference, a distillation teacher): accelerate's mixed
+    precision wraps only the trained model's forward in autocast (``Accelerator.prepare_model``), so a reference the
+    user gave, or one run outside that forward, computes in its fp32 weights while the policy computes in bf16:
+    with reference == policy the implicit rewards ``beta * (log pi - log pi_ref)`` are then bf16's rounding, not 0.
+    Under the policy's autocast both compute alike (TRL prepares its ``ref_model`` with the accelerator, which
+    wraps it the same way)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    device = model.device.type if isinstance(model, torch.Tensor) else _device_type(model)
+    return torch.autocast(device, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -223,6 +264,9 @@ __all__ = [
     "get_autocast_dtype",
     "get_compute_dtype",
     "without_autocast",
+    "autocast_like",
+    "as_autocast_dtype",
+    "get_training_autocast",
     "get_tolerance",
     "get_rounding_bound",
     "dtype_name",
