@@ -377,6 +377,46 @@ def test_stored_values_that_are_no_ids_or_log_probs_are_one_error_before_trainin
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("relabelled", "row 3 of the training data: token 1 is a target .* the precompute's filler .* other labels"),
+        ("duplicate id", "row 4 of the training data: 'target_token_ids' holds token 7 twice at token 6"),
+        ("all -inf", "row 6 of the training data: 'target_logprobs' is -inf for all 8 tokens at token 4, a target"),
+    ],
+)
+def test_stored_top_k_that_is_no_distribution_of_a_target_is_one_error_before_training(tmp_path, data, case, match):
+    """Each trained silently before: the precompute's zero filler read as a target's teacher (the labels changed
+    after the precompute), one id twice in a top-K (its probability counted twice), and all -inf (floored: a uniform
+    teacher over the K ids). Each is a DataError naming the row and the token when the trainer is built."""
+    rows = data["topk"].to_list()
+    if case == "relabelled":
+        rows[3]["labels"] = list(rows[3]["input_ids"])  # the prompt now trained too: its tokens hold the filler
+    elif case == "duplicate id":
+        rows[4]["target_token_ids"][6][:2] = [7, 7]
+    else:
+        assert rows[6]["labels"][4] != -100
+        rows[6]["target_logprobs"][4] = [-math.inf] * 8
+    args = train_args(tmp_path, 2, 4, args_class=TokenWeightedArguments)
+    with pytest.raises(DataError, match=match):
+        TokenWeightedTrainer(
+            model=make_student(), args=args, train_dataset=Dataset.from_list(rows), data_collator=COLLATE,
+            objective=DistillationObjective(),
+        )  # fmt: skip
+
+
+def test_stored_top_k_checks_read_targets_as_the_loss_does(data):
+    """The filler at tokens that are no target (the prompt, each row's or packed sequence's first token) and a
+    duplicate or all -inf there are never read: no error."""
+    assert check_stored_columns(data["topk"], VOCAB) == 8
+    assert check_stored_columns(pack_dataset(data["topk"], 64), VOCAB) == 8
+    rows = data["topk"].to_list()
+    prompt = rows[4]["labels"].index(next(y for y in rows[4]["labels"] if y != -100)) - 1
+    rows[4]["target_token_ids"][prompt][:2] = [7, 7]
+    rows[4]["target_logprobs"][prompt] = [-math.inf] * 8
+    assert check_stored_columns(Dataset.from_list(rows), VOCAB) == 8
+
+
 def test_stored_log_probs_may_round_above_zero_or_be_minus_infinity(data):
     rows = data["topk"].to_list()
     rows[1]["target_logprobs"][5][0] = 5e-5  # a log-softmax's rounding: below LOGPROB_ROUNDING (1e-4)
