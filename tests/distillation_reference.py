@@ -18,17 +18,17 @@ from tests.helpers import flat_grad, pad
 VOCAB = 64
 
 
-def make_student(seed=0, vocab=VOCAB, init=0.1):
+def make_student(seed=0, vocab=VOCAB, init=0.1, layers=1):
     from hfacc import build_tiny_llama
 
     # initializer_range 0.1 (5x the default): peaked next-token distributions, so the divergence is far from 0
-    return build_tiny_llama(vocab_size=vocab, hidden_size=32, num_layers=1, seed=seed, initializer_range=init)
+    return build_tiny_llama(vocab_size=vocab, hidden_size=32, num_layers=layers, seed=seed, initializer_range=init)
 
 
-def make_teacher(rows=VOCAB, seed=1, init=0.1):
+def make_teacher(rows=VOCAB, seed=1, init=0.1, layers=2):
     from hfacc import build_tiny_llama
 
-    return build_tiny_llama(vocab_size=rows, hidden_size=48, num_layers=2, seed=seed, initializer_range=init)
+    return build_tiny_llama(vocab_size=rows, hidden_size=48, num_layers=layers, seed=seed, initializer_range=init)
 
 
 def uneven_examples(n=8, seed=3, vocab=VOCAB):

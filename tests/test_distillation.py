@@ -39,8 +39,8 @@ from hfacc.objectives.distillation import (
 )
 from hfacc.ops.logprobs import LossHead, chunked_linear_loss
 from hfacc.runtime.config import ConfigError
-from tests.distillation_reference import VOCAB, big_batch, make_student, make_teacher, uneven_examples
-from tests.helpers import CaptureGradients, relative_error, train_args
+from tests.distillation_reference import VOCAB, big_batch, divergence, make_student, make_teacher, uneven_examples
+from tests.helpers import CaptureGradients, flat_grad, pad, relative_error, train_args
 
 TOL = 1e-6
 OUT = tempfile.mkdtemp()  # the trainers' output_dir (they save nothing: save_strategy 'no')
@@ -289,6 +289,49 @@ def test_evaluation_is_the_token_mean_of_every_term(data, source):
     assert metrics["eval_num_targets"] == sum(sum(1 for y in e["labels"][1:] if y != -100) for e in data["examples"])
 
 
+def _sharp(model):
+    with torch.no_grad():  # lm_head x 8: peaked distributions, where the mixture's rounding would show first
+        model.lm_head.weight.mul_(8)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("beta", "temperature", "layout", "fused"),
+    [(0.5, 2.0, "padded", True), (0.3, 2.0, "padding_free", True), (0.9, 2.0, "padded", False),
+     (0.5, 4.0, "padding_free", False)],
+)  # fmt: skip
+def test_the_mixture_costs_no_precision_against_plain_fp32_autograd(beta, temperature, layout, fused):
+    """0 < beta < 1, sharp distributions (both heads x 8), vocabulary 61, a 2-layer student and a 3-layer teacher,
+    bs 8 x GA 1: hfacc's update is within 3x the error of a plain fp32 autograd computation of the same formula
+    (tests/distillation_reference.py's, on fp32 models), both measured against the float64 big batch."""
+    vocab = 61
+    examples = uneven_examples(vocab=vocab)
+    teacher = _sharp(make_teacher(rows=vocab, layers=3))
+    want, _, _ = big_batch(
+        _sharp(make_student(vocab=vocab, layers=2)), teacher, examples, beta=beta, temperature=temperature,
+        ce_weight=0.0, vocab=vocab,
+    )  # fmt: skip
+    plain = _sharp(make_student(vocab=vocab, layers=2))
+    batch = pad(examples)
+    s = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    with torch.no_grad():
+        t = teacher(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    mask = batch["labels"][:, 1:] != -100
+    d = divergence((s[mask] / temperature).log_softmax(-1), (t[mask] / temperature).log_softmax(-1), beta)
+    (d.sum() / mask.sum()).backward()
+    floor = relative_error(flat_grad(plain), want)
+    student = _sharp(make_student(vocab=vocab, layers=2))
+    capture = CaptureGradients(student)
+    args = train_args(OUT, 8, 1, args_class=TokenWeightedArguments, padding_free=layout == "padding_free",
+                      fused_loss=fused)  # fmt: skip
+    TokenWeightedTrainer(
+        model=student, args=args, train_dataset=Dataset.from_list(examples), data_collator=COLLATE,
+        objective=DistillationObjective(teacher, beta, temperature), callbacks=[capture],
+    ).train()  # fmt: skip
+    assert 0 < floor < 1e-6
+    assert relative_error(capture.grads[0], want) <= 3 * floor
+
+
 def test_the_per_micro_batch_mean_is_not_the_big_batch(data):
     """The negative control: each micro-batch's mean over k (torchtune, TRL without num_items) at bs 1 x GA 8."""
     want, _, _ = big_batch(make_student(), data["teacher"], data["examples"], beta=0.5, temperature=1.0, ce_weight=0)
@@ -375,6 +418,46 @@ def test_stored_values_that_are_no_ids_or_log_probs_are_one_error_before_trainin
             model=make_student(), args=args, train_dataset=Dataset.from_list(rows), data_collator=COLLATE,
             objective=DistillationObjective(),
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("relabelled", "row 3 of the training data: token 1 is a target .* the precompute's filler .* other labels"),
+        ("duplicate id", "row 4 of the training data: 'target_token_ids' holds token 7 twice at token 6"),
+        ("all -inf", "row 6 of the training data: 'target_logprobs' is -inf for all 8 tokens at token 4, a target"),
+    ],
+)
+def test_stored_top_k_that_is_no_distribution_of_a_target_is_one_error_before_training(tmp_path, data, case, match):
+    """Each trained silently before: the precompute's zero filler read as a target's teacher (the labels changed
+    after the precompute), one id twice in a top-K (its probability counted twice), and all -inf (floored: a uniform
+    teacher over the K ids). Each is a DataError naming the row and the token when the trainer is built."""
+    rows = data["topk"].to_list()
+    if case == "relabelled":
+        rows[3]["labels"] = list(rows[3]["input_ids"])  # the prompt now trained too: its tokens hold the filler
+    elif case == "duplicate id":
+        rows[4]["target_token_ids"][6][:2] = [7, 7]
+    else:
+        assert rows[6]["labels"][4] != -100
+        rows[6]["target_logprobs"][4] = [-math.inf] * 8
+    args = train_args(tmp_path, 2, 4, args_class=TokenWeightedArguments)
+    with pytest.raises(DataError, match=match):
+        TokenWeightedTrainer(
+            model=make_student(), args=args, train_dataset=Dataset.from_list(rows), data_collator=COLLATE,
+            objective=DistillationObjective(),
+        )  # fmt: skip
+
+
+def test_stored_top_k_checks_read_targets_as_the_loss_does(data):
+    """The filler at tokens that are no target (the prompt, each row's or packed sequence's first token) and a
+    duplicate or all -inf there are never read: no error."""
+    assert check_stored_columns(data["topk"], VOCAB) == 8
+    assert check_stored_columns(pack_dataset(data["topk"], 64), VOCAB) == 8
+    rows = data["topk"].to_list()
+    prompt = rows[4]["labels"].index(next(y for y in rows[4]["labels"] if y != -100)) - 1
+    rows[4]["target_token_ids"][prompt][:2] = [7, 7]
+    rows[4]["target_logprobs"][prompt] = [-math.inf] * 8
+    assert check_stored_columns(Dataset.from_list(rows), VOCAB) == 8
 
 
 def test_stored_log_probs_may_round_above_zero_or_be_minus_infinity(data):

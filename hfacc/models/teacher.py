@@ -294,7 +294,9 @@ def check_stored_columns(dataset, vocab_size: int | None = None, name: str = "th
     """Check a dataset's stored teacher columns row by row; return K. Every row needs one ``[K]`` list of
     ``target_token_ids`` and of ``target_logprobs`` per token (as long as ``input_ids``), the same K everywhere,
     token ids in ``[0, vocab_size)``, and log-probs that are not NaN nor above 0 (up to :data:`LOGPROB_ROUNDING`;
-    -inf is a probability of 0): a :class:`hfacc.data.formats.DataError` naming the first row that has not."""
+    -inf is a probability of 0); at every target token a distribution: K different ids, not every log-prob -inf, not
+    the precompute's filler for a token that is no target. A :class:`hfacc.data.formats.DataError` naming the first
+    row that has not."""
     import pyarrow.compute as pc
 
     table = dataset.with_format("arrow")[:] if hasattr(dataset, "with_format") else None
@@ -321,6 +323,7 @@ def check_stored_columns(dataset, vocab_size: int | None = None, name: str = "th
             k = next(iter(ks))
     if k:
         _check_stored_values(table, vocab_size, name)
+        _check_stored_targets(table, k, name)
     return k or 0
 
 
@@ -364,6 +367,67 @@ def _check_stored_values(table, vocab_size: int | None, name: str) -> None:
         raise DataError(
             f"row {row} of {name}: {logprobs!r} holds {value:.4g} at token {token}: log-probs are <= 0 (up to "
             f"{LOGPROB_ROUNDING:g} of rounding). Probabilities stored instead? Store their logarithm, or {fix}."
+        )
+
+
+def _check_stored_targets(table, k: int, name: str) -> None:
+    """At every target token (``labels[t] != -100``, t not the first token of its sequence: row t is the
+    distribution of token t), a top-K that is a distribution: not the precompute's filler (K zero ids and K zero
+    log-probs, what it stores for a token that is no target: the columns were computed for other labels than the
+    rows hold), no token id twice, and not every log-prob -inf (read with :data:`LOGPROB_FLOOR`, that row would
+    train the student towards a uniform distribution over its K ids). Each is a :class:`DataError` naming the
+    first row and token; rows without ``labels`` are not checked here."""
+    import numpy as np
+
+    if "labels" not in table.column_names:
+        return
+    labels = table["labels"].combine_chunks()
+    row_starts = labels.offsets.to_numpy() - labels.offsets[0].as_py()
+    target = labels.flatten().to_numpy(zero_copy_only=False) != IGNORE_INDEX
+    if not target.any():
+        return
+    first = np.zeros(len(target), dtype=bool)  # the first token of a row, or of a packed sequence, is no target
+    first[row_starts[:-1][row_starts[:-1] < len(target)]] = True
+    if "position_ids" in table.column_names:
+        positions = table["position_ids"].combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        first[1:] |= positions[1:] != positions[:-1] + 1
+    target &= ~first
+    ids = table[TEACHER_COLUMNS[0]].combine_chunks().flatten().flatten().to_numpy(zero_copy_only=False)
+    logprobs = table[TEACHER_COLUMNS[1]].combine_chunks().flatten().flatten().to_numpy(zero_copy_only=False)
+    if len(ids) != len(target) * k:  # labels not as long as input_ids: the collator names that
+        return
+    ids, logprobs = ids.reshape(-1, k), logprobs.reshape(-1, k)
+
+    def where(flags):
+        token = int(np.argmax(flags))
+        row = int(np.searchsorted(row_starts, token, side="right")) - 1
+        return row, token - int(row_starts[row])
+
+    fix = "recompute the columns with hfacc.precompute_teacher_logprobs for the rows as they are now"
+    filler = target & (ids == 0).all(-1) & (logprobs == 0).all(-1) if k > 1 else np.zeros_like(target)
+    if filler.any():
+        row, token = where(filler)
+        raise DataError(
+            f"row {row} of {name}: token {token} is a target (its label is not -100) but its stored top-K is the "
+            f"precompute's filler for a token that is no target ({k} zero ids and log-probs): the columns were "
+            f"computed for other labels than the rows hold now; {fix}."
+        )
+    ordered = np.sort(ids, axis=-1)
+    repeated = target & (ordered[:, 1:] == ordered[:, :-1]).any(-1)
+    if repeated.any():
+        row, token = where(repeated)
+        flat = int(row_starts[row]) + token
+        twice = int(ordered[flat, 1:][ordered[flat, 1:] == ordered[flat, :-1]][0])
+        raise DataError(
+            f"row {row} of {name}: {TEACHER_COLUMNS[0]!r} holds token {twice} twice at token {token}: a top-K lists "
+            f"K different tokens (its log-probs would count that token's probability twice); {fix}."
+        )
+    empty = target & np.isneginf(logprobs).all(-1)
+    if empty.any():
+        row, token = where(empty)
+        raise DataError(
+            f"row {row} of {name}: {TEACHER_COLUMNS[1]!r} is -inf for all {k} tokens at token {token}, a target: "
+            f"that is no distribution (the student would be trained towards a uniform one over these ids); {fix}."
         )
 
 
