@@ -347,7 +347,15 @@ def test_hfacc_verify_takes_the_variant(capsys):
     --loss_type sequence`: GSPO on REINFORCE++ advantages, spg = GA and 2 x GA, against the big batch."""
     from hfacc.cli import main as cli_main
 
-    argv = ["verify", "--objective", "grpo", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    argv = [
+        "verify",
+        "--objective",
+        "grpo",
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+    ]
     argv += ["--loss_type", "sequence", "--importance_sampling_level", "sequence"]
     argv += ["--advantage_estimator", "reinforce_pp", "--embedded_hidden_size", "32", "--embedded_num_layers", "1"]
     assert cli_main(argv + ["--json_path", "/dev/null"]) == 0
