@@ -266,6 +266,7 @@ def test_trls_former_cap_sets_the_upper_bound(tmp_path):
         ({"beta": -1.0}, "beta=-1.0"),  # the loss's own checks, where the settings are made
         ({"epsilon": -1.0}, "epsilon=-1.0"),
         ({"loss_type": "cispo"}, "loss_type='cispo' caps the ratio at epsilon_high"),
+        ({"loss_type": "cispo", "epsilon_high": 0.28}, "epsilon_high=0.28: set --epsilon_high above 1"),
         ({"importance_sampling_level": "sequence_token"}, "importance_sampling_level='sequence_token'"),
         ({"advantage_estimator": "ppo"}, "advantage_estimator='ppo'"),
         ({"multi_objective_aggregation": "mean"}, "multi_objective_aggregation='mean'"),

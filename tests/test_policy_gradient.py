@@ -324,6 +324,8 @@ def test_a_per_micro_batch_ratio_is_not_gspo(setup, monkeypatch):
 def test_the_variants_refuse_what_they_cannot_mean():
     with pytest.raises(ValueError, match="loss_type='cispo' caps the ratio at epsilon_high"):
         PolicyGradientObjective("cispo")
+    with pytest.raises(ValueError, match="epsilon_high=0.28 <= 1 caps even the on-policy ratio"):
+        PolicyGradientObjective("cispo", epsilon_high=0.28)
     with pytest.raises(ValueError, match="importance_sampling_level='sequence_token'"):
         PolicyGradientObjective(importance_sampling_level="sequence_token")
     with pytest.raises(ValueError, match="sapo_temperature_pos=0"):

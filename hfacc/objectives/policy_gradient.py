@@ -356,6 +356,11 @@ class PolicyGradientObjective(Objective):
                 "loss_type='cispo' caps the ratio at epsilon_high itself (TRL's meaning, not 1 + epsilon_high): set "
                 "epsilon_high (ScaleRL: 5.0); left unset, TRL would cap it at epsilon."
             )
+        if loss_type == "cispo" and epsilon_high <= 1:
+            raise ValueError(
+                f"loss_type='cispo' caps the ratio at epsilon_high itself: epsilon_high={epsilon_high} <= 1 caps even "
+                "the on-policy ratio 1 (a PPO bound like 0.28 does not carry over); set epsilon_high > 1 (ScaleRL: 5.0)."
+            )
         if not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
             raise ValueError(
                 f"sapo_temperature_pos={sapo_temperature_pos}, sapo_temperature_neg={sapo_temperature_neg}: both > 0."

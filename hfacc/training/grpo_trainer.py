@@ -236,9 +236,10 @@ def validate_grpo_settings(args: GRPOArguments) -> None:
             "multi_objective_aggregation='normalize_then_sum' (GDPO) normalizes each reward in its group itself: "
             f"set advantage_estimator='grpo' (not {args.advantage_estimator!r})."
         )
-    if LOSS_TYPE_ALIASES.get(args.loss_type, args.loss_type) == "cispo" and args.epsilon_high is None:
+    if args.loss_type == "cispo" and (args.epsilon_high is None or args.epsilon_high <= 1):
         raise ValueError(
-            "loss_type='cispo' caps the ratio at epsilon_high itself (TRL's meaning): set epsilon_high (ScaleRL: 5.0)."
+            f"loss_type='cispo' caps the ratio at epsilon_high itself (TRL's meaning), epsilon_high="
+            f"{args.epsilon_high}: set --epsilon_high above 1 (ScaleRL: 5.0); a PPO bound like 0.28 caps every ratio."
         )
     if args.normalization == "sequence":
         raise ValueError("normalization='sequence' does not apply to GRPO: set loss_type='sequence' instead.")
