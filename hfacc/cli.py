@@ -196,6 +196,10 @@ def _verify_policy_gradient(verify_args, model, tokenizer, examples, accelerator
         accelerator=accelerator,
         seed=verify_args.seed,
         fused_loss=verify_args.fused_loss,
+        loss_types=None if verify_args.loss_type is None else [verify_args.loss_type],
+        importance_sampling_level=verify_args.importance_sampling_level,
+        advantage_estimator=verify_args.advantage_estimator,
+        multi_objective_aggregation=verify_args.multi_objective_aggregation,
     )
     return _finish_verify(report, verify_args, accelerator)
 

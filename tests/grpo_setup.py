@@ -44,6 +44,11 @@ def brevity(prompts, completions, **kwargs):
     return [1.0 / (1 + len(c[0]["content"])) for c in completions]
 
 
+def digits(prompts, completions, **kwargs):
+    """The share of digits in the completion: a second reward with its own scale (GDPO's case)."""
+    return [sum(ch.isdigit() for ch in c[0]["content"]) / (1 + len(c[0]["content"])) for c in completions]
+
+
 def correct(prompts, completions, answer, **kwargs):
     return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer, strict=True)]
 

@@ -6,8 +6,10 @@
    of 10-14 completion tokens, rank 1 those of 1-3; micro-batches of 2, so padding-free packs two completions): every loss type, beta 0 and 0.1, padded and padding-free, and
    one rollout over two SGD steps (steps_per_generation = 2 x GA). The gradient after DDP's all-reduce is compared
    with the hand-written big batch of all ranks' rows (tests/rollouts.py), computed on every rank.
+   The variants (GSPO, CISPO, SAPO) the same way, padded and padding-free.
 2. GRPOTrainer's first optimizer step: each rank samples its own prompts; the reference is the big batch of both
-   ranks' rollouts.
+   ranks' rollouts. Also with GDPO, REINFORCE++ and normalized RLOO advantages (each with a loss variant): each
+   rank's advantages are those of both ranks' rewards together, and a rank's own rewards would give others.
 
 Rank 0 writes the measured errors to OUT.json; tests/test_grpo.py asserts on them.
 """
@@ -18,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,11 +34,50 @@ from hfacc import (  # noqa: E402
     TokenWeightedTrainer,
     build_tiny_llama,
 )
-from tests.grpo_setup import rollout_rows, run_grpo  # noqa: E402
+from tests.grpo_setup import brevity, digits, rollout_rows, run_grpo  # noqa: E402
 from tests.helpers import VOCAB, relative_error, run_trainer, train_args  # noqa: E402
 from tests.rollouts import make_rollout, reference_gradient, reference_sgd_steps  # noqa: E402
 
 EPS, EPS_HIGH, BETA, L = 0.2, 0.28, 0.1, 16
+ADVANTAGE_KEYS = ("advantage_estimator", "multi_objective_aggregation", "normalize_advantages", "scale_rewards")
+# (name, objective settings, hand-written reference settings) on fixed rollouts.
+VARIANTS = [
+    (
+        "gspo",
+        dict(loss_type="sequence", epsilon=0.03, epsilon_high=0.04, importance_sampling_level="sequence", beta=BETA),
+        dict(loss_type="sequence", eps=0.03, eps_high=0.04, level="sequence", beta=BETA),
+    ),
+    ("cispo", dict(loss_type="cispo", epsilon_high=1.3), dict(loss_type="cispo", eps_high=1.3)),
+    ("sapo", dict(loss_type="sapo"), dict(loss_type="sapo")),
+]
+# (name, GRPOArguments, reference settings, reward functions) online: each advantage estimator with a loss variant.
+ONLINE_VARIANTS = [
+    (
+        "gdpo sapo",
+        dict(multi_objective_aggregation="normalize_then_sum", loss_type="sapo"),
+        dict(loss_type="sapo"),
+        (brevity, digits),
+    ),
+    (
+        "reinforce_pp cispo",
+        dict(advantage_estimator="reinforce_pp", loss_type="cispo", epsilon_high=5.0),
+        dict(loss_type="cispo", eps_high=5.0),
+        (brevity,),
+    ),
+    (
+        "rloo normalized gspo",
+        dict(
+            advantage_estimator="rloo",
+            normalize_advantages=True,
+            loss_type="sequence",
+            importance_sampling_level="sequence",
+            epsilon=3e-4,
+            epsilon_high=4e-4,
+        ),
+        dict(loss_type="sequence", level="sequence", eps=3e-4, eps_high=4e-4),
+        (brevity,),
+    ),
+]
 
 
 def unequal_rollout(model, n=8, seed=0):
@@ -81,6 +123,21 @@ def main(out_path: str) -> None:
                 results["cases"][name] = {"grad_error": relative_error(capture.grads[0], want)}
                 results["world_size"] = trainer.args.world_size
 
+    # The variants (GSPO's ratio per completion, CISPO, SAPO) over the unequal ranks, padded and padding-free.
+    for name, settings, reference in VARIANTS:
+        want, _ = reference_gradient(model, rows, **reference, ref_model=ref, max_completion_length=L)
+        for padding_free in (True, False):
+            trainer, capture = run_trainer(
+                TokenWeightedTrainer,
+                model,
+                rows,
+                args(2, 2, padding_free=padding_free),
+                collate,
+                objective=PolicyGradientObjective(**settings, ref_model=ref, max_completion_length=L),
+            )
+            layout = "padding-free" if padding_free else "padded"
+            results["cases"][f"{name} {layout}"] = {"grad_error": relative_error(capture.grads[0], want)}
+
     # The per-micro-batch mean (TRL's bnpo: each micro-batch over its own tokens, / GA), over the ranks too.
     want, _ = reference_gradient(model, rows, "token", eps=EPS, eps_high=EPS_HIGH)
     _, capture = run_trainer(
@@ -110,7 +167,7 @@ def main(out_path: str) -> None:
         }
 
     # GRPOTrainer on both ranks: each samples its own prompts; the first step is the big batch of both rollouts.
-    online = {"errors": {}}
+    online = {"errors": {}, "advantage_errors": {}, "per_rank_advantage_errors": {}}
     for loss_type in ("token", "sequence"):
         trainer, capture, policy = run_grpo(tmp / loss_type, loss_type=loss_type)
         mine = rollout_rows(capture.rollouts[0])
@@ -122,6 +179,24 @@ def main(out_path: str) -> None:
         )
         want, _ = reference_gradient(policy, gathered[0] + gathered[1], loss_type, eps=0.2, eps_high=0.2)
         online["errors"][loss_type] = relative_error(capture.grads[0], want)
+    # The advantage estimators online: batch statistics over both ranks' rewards, gathered before any backward.
+    from hfacc.generation.rollout import compute_advantages
+
+    for name, settings, reference, funcs in ONLINE_VARIANTS:
+        trainer, capture, policy = run_grpo(tmp / name.replace(" ", "_"), reward_funcs=funcs, **settings)
+        rollout, rank = capture.rollouts[0], trainer.accelerator.process_index
+        gathered = [None, None]
+        dist.all_gather_object(gathered, (rollout_rows(rollout), rollout.rewards))
+        picked = {k: settings[k] for k in ADVANTAGE_KEYS if k in settings}
+        whole = compute_advantages(torch.cat([g[1] for g in gathered]), 4, **picked)
+        n = len(rollout.rows)
+        mine = sorted(whole[rank * n : (rank + 1) * n].tolist())
+        got = sorted(float(r["advantages"]) for r in rollout.rows)
+        own = sorted(compute_advantages(rollout.rewards, 4, **picked).tolist())  # the per-rank baseline
+        want, _ = reference_gradient(policy, gathered[0][0] + gathered[1][0], **reference)
+        online["errors"][name] = relative_error(capture.grads[0], want)
+        online["advantage_errors"][name] = max(abs(a - b) for a, b in zip(got, mine, strict=True))
+        online["per_rank_advantage_errors"][name] = max(abs(a - b) for a, b in zip(own, mine, strict=True))
     results["online"] = online
 
     # hfacc verify --objective grpo on both ranks: a rollout of the policy, each step vs its big batch.

@@ -40,16 +40,38 @@ def token_logps(model, ids, temperature=1.0) -> torch.Tensor:
     return logits.log_softmax(-1).gather(1, x[0, 1:, None])[:, 0]
 
 
-def per_token_losses(model, row, eps=0.2, eps_high=0.28, beta=0.0, ref_model=None, temperature=1.0) -> torch.Tensor:
-    """The clipped surrogate (x the row's importance weight, + beta x k3 KL) of each completion token of one row,
-    written out by hand."""
+def per_token_losses(
+    model,
+    row,
+    eps=0.2,
+    eps_high=0.28,
+    beta=0.0,
+    ref_model=None,
+    temperature=1.0,
+    level="token",
+    surrogate="clip",
+    tau_pos=1.0,
+    tau_neg=1.05,
+) -> torch.Tensor:
+    """The surrogate (x the row's importance weight, + beta x k3 KL) of each completion token of one row, written
+    out by hand: PPO's clip, CISPO's capped detached ratio x log-prob or SAPO's sigmoid gate; at ``level="sequence"``
+    (GSPO) one ratio for the whole row, exp of the mean log-ratio of its tokens."""
     labels = torch.tensor(row["labels"][1:])
     completion = labels != -100
     logp = token_logps(model, row["input_ids"], temperature)[completion]
     old = torch.tensor(row["old_logps"][1:])[completion] if "old_logps" in row else logp.detach()
-    ratio = torch.exp(logp - old)
+    log_ratio = logp - old
+    if level == "sequence":
+        log_ratio = log_ratio.mean().expand(log_ratio.shape)
+    ratio = torch.exp(log_ratio)
     a = row["advantages"]
-    loss = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps, 1 + eps_high) * a)
+    if surrogate == "cispo":
+        loss = -torch.clamp(ratio.detach(), max=eps_high) * a * logp
+    elif surrogate == "sapo":
+        tau = tau_pos if a > 0 else tau_neg
+        loss = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * a
+    else:
+        loss = -torch.minimum(ratio * a, torch.clamp(ratio, 1 - eps, 1 + eps_high) * a)
     if "importance_weights" in row:  # the sampler's mismatch corrected: a fixed weight per token (not on the KL)
         loss = loss * torch.tensor(row["importance_weights"][1:])[completion]
     if beta:
@@ -65,6 +87,8 @@ def per_token_losses(model, row, eps=0.2, eps_high=0.28, beta=0.0, ref_model=Non
 
 def reference_loss(model, rows, loss_type, max_completion_length=16, **kwargs) -> torch.Tensor:
     """The big batch's loss: every row of the step in one batch, the loss type's mean taken once."""
+    if loss_type in ("cispo", "sapo"):  # their surrogate, divided as TRL divides them: token / sequence
+        kwargs["surrogate"], loss_type = loss_type, {"cispo": "token", "sapo": "sequence"}[loss_type]
     losses = [per_token_losses(model, row, **kwargs) for row in rows]
     if loss_type == "token":
         return torch.cat(losses).sum() / sum(len(x) for x in losses)

@@ -16,7 +16,7 @@ import torch
 
 from hfacc import DataCollatorForCausalLM, GRPOArguments, PolicyGradientObjective
 from hfacc.data.embedded import TASKS
-from hfacc.generation.rollout import RewardFunctionError, group_advantages, score_completions
+from hfacc.generation.rollout import RewardFunctionError, compute_advantages, group_advantages, score_completions
 from hfacc.generation.vllm_engine import is_vllm_available
 from hfacc.ops.loss import WindowCounts
 from tests.grpo_setup import build_prompts, rollout_rows, run_grpo
@@ -174,6 +174,54 @@ def test_group_advantages():
     assert group_advantages(rewards, 2, "batch")[4].item() == pytest.approx(1.0 / (rewards.std().item() + 1e-4))
 
 
+def test_each_advantage_estimator_by_hand():
+    """RLOO's leave-one-out baseline, REINFORCE++'s batch normalization, GDPO's per-reward normalization before the
+    sum, written out for 2 groups of 3 and 2 reward functions."""
+    rewards = torch.tensor(
+        [[1.0, 0.0], [0.0, 1.0], [2.0, 1.0], [3.0, 0.0], [1.0, 1.0], [2.0, 1.0]], dtype=torch.float64
+    )
+    w = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    r = rewards @ w
+    g = r.view(2, 3)
+    loo = (g - (g.sum(1, keepdim=True) - g) / 2).flatten()
+    assert torch.allclose(compute_advantages(rewards, 3, w, advantage_estimator="rloo"), loo)
+    whitened = (loo - loo.mean()) / (loo.std() + 1e-4)
+    got = compute_advantages(rewards, 3, w, advantage_estimator="rloo", normalize_advantages=True)
+    assert torch.allclose(got, whitened)
+    centered = (g - g.mean(1, keepdim=True)).flatten()
+    got = compute_advantages(rewards, 3, w, advantage_estimator="reinforce_pp")
+    assert torch.allclose(got, (centered - centered.mean()) / (centered.std() + 1e-4))
+    x = rewards.view(2, 3, 2)
+    z = ((x - x.mean(1, keepdim=True)) / (x.std(1, keepdim=True) + 1e-4)).reshape(6, 2) @ w
+    got = compute_advantages(rewards, 3, w, multi_objective_aggregation="normalize_then_sum")
+    assert torch.allclose(got, (z - z.mean()) / (z.std() + 1e-4))
+    assert torch.allclose(compute_advantages(rewards, 3, w), group_advantages(r, 3))  # the default: GRPO's
+    with pytest.raises(ValueError, match="use it with advantage_estimator='grpo'"):
+        compute_advantages(rewards, 3, w, advantage_estimator="rloo", multi_objective_aggregation="normalize_then_sum")
+
+
+@pytest.mark.parametrize(
+    "settings, per_rank_exact",
+    [
+        ({"advantage_estimator": "rloo"}, True),  # a group statistic, and groups never span ranks
+        ({"advantage_estimator": "grpo", "scale_rewards": "group"}, True),
+        ({"advantage_estimator": "rloo", "normalize_advantages": True}, False),
+        ({"advantage_estimator": "reinforce_pp"}, False),
+        ({"multi_objective_aggregation": "normalize_then_sum"}, False),
+        ({"advantage_estimator": "grpo", "scale_rewards": "batch"}, False),
+    ],
+)
+def test_batch_statistics_are_the_whole_generations_and_a_ranks_own_are_not(settings, per_rank_exact):
+    """Two ranks of 4 groups of 4: advantages from every rank's rewards, sliced, are the generation batch's; a
+    rank's own rewards (the per-rank baseline) give other advantages wherever a statistic is over the batch."""
+    generator = torch.Generator().manual_seed(3)
+    rewards = torch.rand(32, 2, generator=generator, dtype=torch.float64)
+    rewards[16:] *= 3  # the ranks' rewards differ in scale, as different prompts' do
+    whole = compute_advantages(rewards, 4, **settings)
+    per_rank = torch.cat([compute_advantages(rewards[k * 16 : (k + 1) * 16], 4, **settings) for k in range(2)])
+    assert torch.allclose(per_rank, whole, atol=1e-12) == per_rank_exact, settings
+
+
 @pytest.mark.parametrize(
     "settings, message",
     [
@@ -217,6 +265,12 @@ def test_trls_former_cap_sets_the_upper_bound(tmp_path):
         ({"normalization": "sequence"}, "set loss_type='sequence'"),
         ({"beta": -1.0}, "beta=-1.0"),  # the loss's own checks, where the settings are made
         ({"epsilon": -1.0}, "epsilon=-1.0"),
+        ({"loss_type": "cispo"}, "loss_type='cispo' caps the ratio at epsilon_high"),
+        ({"loss_type": "cispo", "epsilon_high": 0.28}, "epsilon_high=0.28: set --epsilon_high above 1"),
+        ({"importance_sampling_level": "sequence_token"}, "importance_sampling_level='sequence_token'"),
+        ({"advantage_estimator": "ppo"}, "advantage_estimator='ppo'"),
+        ({"multi_objective_aggregation": "mean"}, "multi_objective_aggregation='mean'"),
+        ({"advantage_estimator": "rloo", "multi_objective_aggregation": "normalize_then_sum"}, "set advantage_"),
     ],
 )
 def test_settings_are_checked(tmp_path, settings, message):
@@ -253,6 +307,10 @@ def test_the_online_first_step_on_two_ranks(two_ranks):
     assert online["rows_per_rank"] == [8, 8] and online["prompts_differ"]
     for name, error in online["errors"].items():
         assert error <= 1e-6, name
+    assert len(online["errors"]) == 5  # token, sequence, and GDPO / REINFORCE++ / normalized RLOO with a variant
+    for name, error in online["advantage_errors"].items():
+        assert error <= 1e-9, name  # each rank's advantages: the whole generation's, both ranks' rewards
+        assert online["per_rank_advantage_errors"][name] > 1e-3, name  # negative control: a rank's own rewards
 
 
 @pytest.mark.distributed
@@ -281,8 +339,30 @@ def test_hfacc_verify_objective_grpo(capsys):
     assert cli_main(argv) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "steps_per_generation 2 (= GA) and 4 (= 2 x GA" in out
-    for loss_type in ("token", "sequence", "dr_grpo"):
+    for loss_type in ("token", "sequence", "dr_grpo", "cispo", "sapo"):
         assert f"  {loss_type}" in out
+
+
+def test_hfacc_verify_takes_the_variant(capsys):
+    """`hfacc verify --objective grpo --importance_sampling_level sequence --advantage_estimator reinforce_pp
+    --loss_type sequence`: GSPO on REINFORCE++ advantages, spg = GA and 2 x GA, against the big batch."""
+    from hfacc.cli import main as cli_main
+
+    argv = [
+        "verify",
+        "--objective",
+        "grpo",
+        "--per_device_train_batch_size",
+        "2",
+        "--gradient_accumulation_steps",
+        "2",
+    ]
+    argv += ["--loss_type", "sequence", "--importance_sampling_level", "sequence"]
+    argv += ["--advantage_estimator", "reinforce_pp", "--embedded_hidden_size", "32", "--embedded_num_layers", "1"]
+    assert cli_main(argv + ["--json_path", "/dev/null"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "importance_sampling_level 'sequence', advantages reinforce_pp" in out
+    assert "  sequence" in out and "  token" not in out
 
 
 @pytest.mark.slow

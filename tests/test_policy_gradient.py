@@ -26,13 +26,15 @@ from hfacc.data.padding_free import remove_padding
 from hfacc.objectives import SetupContext
 from hfacc.objectives.policy_gradient import (
     IMPORTANCE_SAMPLING_MODES,
-    LOSS_TYPES,
+    cispo_loss,
     clipped_surrogate_loss,
     get_aligned_values,
     importance_sampling_weights,
     k3_kl,
     normalize_policy_loss,
     policy_gradient_sums,
+    sapo_loss,
+    sequence_log_ratio,
 )
 from hfacc.ops.loss import shift_labels
 from hfacc.training.window import compute_micro_batch_loss, count_window
@@ -40,6 +42,7 @@ from tests.helpers import VOCAB, flat_grad, relative_error, run_trainer, train_a
 from tests.rollouts import make_rollout, reference_gradient, reference_sgd_steps, token_logps
 
 EPS, EPS_HIGH, BETA, L = 0.2, 0.28, 0.1, 16
+LOSS_TYPES = ("token", "sequence", "dr_grpo")  # the clipped surrogate's normalizations; the variants below
 SPLITS = [(8, 1), (2, 4), (1, 8), (3, 3)]  # (3, 3): micro-batches of 3, 3 and 2
 CPU = SimpleNamespace(device=torch.device("cpu"), num_processes=1)
 collate = DataCollatorForCausalLM(pad_token_id=0)
@@ -244,6 +247,110 @@ def test_per_micro_batch_normalization_is_not_the_big_batch(setup):
     assert error > 0.05, error
 
 
+# ---- the variants: GSPO (a ratio per completion), CISPO, SAPO ------------------------------------------------------
+# name: (objective settings, reference settings). GSPO's bounds are tight (its log-ratio is a mean over the tokens),
+# CISPO's cap is on the ratio itself: both chosen so the fixed rollout clips some units and not others.
+VARIANTS = {
+    "gspo": (
+        dict(loss_type="sequence", epsilon=0.03, epsilon_high=0.04, importance_sampling_level="sequence"),
+        dict(loss_type="sequence", eps=0.03, eps_high=0.04, level="sequence"),
+    ),
+    "gspo, token loss": (
+        dict(loss_type="token", epsilon=0.03, epsilon_high=0.04, importance_sampling_level="sequence"),
+        dict(loss_type="token", eps=0.03, eps_high=0.04, level="sequence"),
+    ),
+    "cispo": (dict(loss_type="cispo", epsilon_high=1.3), dict(loss_type="cispo", eps_high=1.3)),
+    "cispo, sequence ratio": (
+        dict(loss_type="cispo", epsilon_high=1.1, importance_sampling_level="sequence"),
+        dict(loss_type="cispo", eps_high=1.1, level="sequence"),
+    ),
+    "sapo": (
+        dict(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
+        dict(loss_type="sapo", tau_pos=1.0, tau_neg=1.05),
+    ),
+}
+
+
+def variant(name, beta, ref):
+    settings, reference = VARIANTS[name]
+    objective = PolicyGradientObjective(**settings, beta=beta, ref_model=ref, max_completion_length=L)
+    return objective, dict(reference, beta=beta, ref_model=ref, max_completion_length=L)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_every_variant_under_every_split_and_layout_gives_the_big_batch(setup, name):
+    """GSPO's ratio from all of a completion's tokens, CISPO's capped ratio, SAPO's gate: 8x1, 2x4, 1x8 and ragged
+    3x3, padded, one padding-free row and packed rows, against the hand-written big batch (beta 0 and 0.1)."""
+    model, ref, rows, _ = setup
+    for beta in (0.0, BETA):
+        objective, reference = variant(name, beta, ref)
+        want, _ = reference_gradient(model, rows, **reference)
+        for (bs, ga), layout in itertools.product(SPLITS, ["padded", "one row", "packed rows"]):
+            objective.fused = layout != "padded"
+            error = relative_error(accumulate(model, objective, rows, bs, ga, layout), want)
+            assert error <= 1e-6, (name, beta, bs, ga, layout, error)
+
+
+def test_the_variants_clip_some_units_and_not_others(setup):
+    """The rollout exercises each variant's bound: some completions (GSPO) / tokens (CISPO) clipped, not all."""
+    model, _, rows, _ = setup
+    batch = collate(rows)
+    for name, key in (("gspo", "clip_ratio/region_mean"), ("cispo", "cispo_clip_ratio")):
+        objective, _ = variant(name, 0.0, None)
+        with torch.no_grad():
+            _, sums = objective(model, batch)
+        logs = objective.metric_logs(objective.metric_sums(sums).tolist())
+        assert 0 < logs[key] < 1, (name, logs)
+    objective, _ = variant("sapo", 0.0, None)
+    with torch.no_grad():
+        _, sums = objective(model, batch)
+    assert "clip_ratio/region_mean" not in objective.metric_logs(objective.metric_sums(sums).tolist())
+
+
+def test_a_per_micro_batch_ratio_is_not_gspo(setup, monkeypatch):
+    """Negative control: GSPO's ratio taken over each micro-batch's tokens (as a packed row read as one sequence
+    would give) instead of each completion's: at bs 2 x GA 4 the step is not the big batch's."""
+    from hfacc.objectives import policy_gradient
+
+    model, ref, rows, _ = setup
+    objective, reference = variant("gspo", 0.0, ref)
+    want, _ = reference_gradient(model, rows, **reference)
+    exact = policy_gradient.sequence_log_ratio
+    monkeypatch.setattr(policy_gradient, "sequence_log_ratio", lambda x, rows, n: exact(x, torch.zeros_like(rows), 1))
+    error = relative_error(accumulate(model, objective, rows, 2, 4, "padded"), want)
+    assert error > 0.05, error
+
+
+def test_the_variants_refuse_what_they_cannot_mean():
+    with pytest.raises(ValueError, match="loss_type='cispo' caps the ratio at epsilon_high"):
+        PolicyGradientObjective("cispo")
+    with pytest.raises(ValueError, match="epsilon_high=0.28 <= 1 caps even the on-policy ratio"):
+        PolicyGradientObjective("cispo", epsilon_high=0.28)
+    with pytest.raises(ValueError, match="importance_sampling_level='sequence_token'"):
+        PolicyGradientObjective(importance_sampling_level="sequence_token")
+    with pytest.raises(ValueError, match="sapo_temperature_pos=0"):
+        PolicyGradientObjective("sapo", sapo_temperature_pos=0)
+
+
+def test_the_variants_pure_functions_by_hand():
+    rows = torch.tensor([0, 0, 1])
+    log_ratio = torch.tensor([0.2, 0.4, -1.0], requires_grad=True)
+    s = sequence_log_ratio(log_ratio, rows, 2)
+    assert torch.allclose(s, torch.tensor([0.3, 0.3, -1.0]))
+    s[0].backward()  # s_0 = mean of completion 0's two tokens: 1/2 each, nothing from completion 1
+    assert torch.allclose(log_ratio.grad, torch.tensor([0.5, 0.5, 0.0]))
+    logps = torch.tensor([-1.0, -2.0], requires_grad=True)
+    loss, clipped = cispo_loss(torch.log(torch.tensor([2.0, 0.5])), logps, torch.tensor([1.0, -1.0]), 1.5)
+    loss.sum().backward()  # gradient -min(r, cap) A on every token, the clipped one included
+    assert torch.allclose(logps.grad, torch.tensor([-1.5, 0.5])) and clipped.tolist() == [True, False]
+    x = torch.tensor([0.3, -0.2], requires_grad=True)
+    a = torch.tensor([1.0, -2.0])
+    sapo_loss(x, a, 1.0, 1.05).sum().backward()
+    r, tau = x.detach().exp(), torch.tensor([1.0, 1.05])
+    sig = torch.sigmoid(tau * (r - 1))
+    assert torch.allclose(x.grad, -4 * sig * (1 - sig) * r * a)  # d/dlogp of -(4/tau) sigmoid(tau (r - 1)) A
+
+
 # ---- through TokenWeightedTrainer: a covering subset -----------------------------------------------------------------
 def grpo_args(tmp_path, bs, ga, **overrides):
     return train_args(tmp_path, bs, ga, args_class=TokenWeightedArguments, **overrides)
@@ -335,6 +442,29 @@ def test_one_rollout_over_two_optimizer_steps(tmp_path, setup, loss_type, beta):
     for got, expected in zip(capture.grads, want, strict=True):
         assert relative_error(got, expected) <= 1e-6
     assert relative_error(want[0], want[1]) > 0.1 and not math.isclose(want[1].norm(), 0.0)
+
+
+@pytest.mark.parametrize("name", ["gspo", "cispo", "sapo"])
+def test_each_variant_over_two_optimizer_steps_of_one_rollout(tmp_path, setup, name):
+    """steps_per_generation = 2 x GA with the sampler's old log-probs, padding-free: the second step's ratios (GSPO's
+    per completion) are taken at the updated weights, each step over its own units."""
+    model, ref, _, _ = setup
+    rows = make_rollout(model, n=16, seed=1)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    objective, reference = variant(name, 0.0, ref)
+    try:
+        want = reference_sgd_steps(model, [rows[:8], rows[8:]], lr=0.5, **reference)
+        model.load_state_dict(start)
+        sgd = dict(learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", weight_decay=0.0)
+        _, capture = run_trainer(
+            TokenWeightedTrainer, model, rows, grpo_args(tmp_path, 2, 4, padding_free=True, **sgd), collate,
+            objective=objective,
+        )  # fmt: skip
+    finally:
+        model.load_state_dict(start)
+    assert len(capture.grads) == 2
+    for got, expected in zip(capture.grads, want, strict=True):
+        assert relative_error(got, expected) <= 1e-6, name
 
 
 def test_a_hand_written_loop_scales_by_the_objectives_own_loss(setup):

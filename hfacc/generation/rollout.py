@@ -8,7 +8,9 @@ The pieces of an online policy-gradient step before any gradient (:class:`hfacc.
    sampling settings, ``max_completion_length``, stop at EOS);
 3. :func:`score_completions` — each reward function ``f(prompts, completions, **columns) -> list[float]`` on the
    whole batch; one that raises, returns the wrong number of rewards or a non-finite one is named, with the row;
-4. :func:`group_advantages` — each completion's reward minus its prompt group's mean (optionally over the std);
+4. :func:`compute_advantages` — the advantage estimator over the whole generation batch (every rank's completions):
+   GRPO's group baseline (:func:`group_advantages`), RLOO's leave-one-out, REINFORCE++'s batch-normalized, GDPO's
+   per-reward normalization before the sum;
 5. :func:`build_rollout_rows` — rows for :class:`hfacc.PolicyGradientObjective`: ``input_ids`` (prompt +
    completion), ``labels`` (-100 on the prompt) and ``advantages``.
 """
@@ -29,6 +31,11 @@ from ..ops.loss import IGNORE_INDEX
 from .engine import GenerationEngine, SamplingSettings, TransformersEngine, left_pad, sample_completions
 
 SCALE_REWARDS = ("group", "batch", "none")
+# "grpo": the group's mean (and scale_rewards); "rloo": the mean of the group's other completions (TRL's RLOOTrainer);
+# "reinforce_pp": REINFORCE++-baseline, the group's mean subtracted, then normalized over the generation batch.
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")
+# TRL's GRPOConfig.multi_objective_aggregation; "normalize_then_sum" is GDPO.
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 class RewardFunctionError(DataError):
@@ -146,6 +153,70 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return advantages
 
 
+def compute_advantages(
+    rewards: torch.Tensor,
+    num_generations: int,
+    weights: torch.Tensor | None = None,
+    *,
+    scale_rewards: str = "group",
+    advantage_estimator: str = "grpo",
+    multi_objective_aggregation: str = "sum_then_normalize",
+    normalize_advantages: bool = False,
+) -> torch.Tensor:
+    """Advantages ``[N]`` of rewards ``[N, F]`` (F reward functions, weights ``w`` ``[F]``, default 1) whose consecutive
+    blocks of ``num_generations`` (G) share a prompt. N is the *whole* generation batch, every rank's completions:
+    the batch statistics below are over all of them (a rank's own share gives another, split-dependent advantage).
+    With ``r = rewards @ w``, ``eps = 1e-4`` and sample stds:
+
+    - ``"grpo"``: :func:`group_advantages` of r (``scale_rewards``: group std, batch std or none);
+    - ``"rloo"``: ``A_i = r_i - (sum_{j in g(i)} r_j - r_i) / (G - 1)`` (TRL's ``RLOOTrainer``; no std scaling);
+    - ``"reinforce_pp"``: ``a_i = r_i - mean_{g(i)} r``, then ``A = (a - mean(a)) / (std(a) + eps)`` over the batch;
+    - ``multi_objective_aggregation="normalize_then_sum"`` (GDPO, with ``"grpo"``): each reward k normalized in its
+      group, ``z_ik = (x_ik - mean_g x_k) / (std_g x_k + eps)``, then ``s = z @ w`` and
+      ``A = (s - mean(s)) / (std(s) + eps)`` over the batch (TRL's; ``scale_rewards`` does not apply);
+    - ``normalize_advantages=True`` (TRL's RLOO setting): finally ``A = (A - mean(A)) / (std(A) + eps)``.
+
+    >>> compute_advantages(torch.tensor([[1.0], [0.0], [3.0], [1.0]]), 2, advantage_estimator="rloo").tolist()
+    [1.0, -1.0, 2.0, -2.0]
+    """
+    if advantage_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage_estimator={advantage_estimator!r}: use one of {list(ADVANTAGE_ESTIMATORS)}.")
+    if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(
+            f"multi_objective_aggregation={multi_objective_aggregation!r}: use one of "
+            f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}."
+        )
+    rewards = rewards.reshape(rewards.shape[0], -1).double()
+    if rewards.shape[0] % num_generations:
+        raise ValueError(f"{rewards.shape[0]} rewards do not form groups of num_generations={num_generations}")
+    weights = torch.ones(rewards.shape[1], dtype=torch.float64) if weights is None else weights.double()
+    g = num_generations
+
+    def whiten(x):
+        return (x - x.mean()) / (x.std() + 1e-4) if x.numel() > 1 else torch.zeros_like(x)
+
+    if multi_objective_aggregation == "normalize_then_sum":
+        if advantage_estimator != "grpo":
+            raise ValueError(
+                f"multi_objective_aggregation='normalize_then_sum' (GDPO) normalizes each reward in its group itself: "
+                f"use it with advantage_estimator='grpo', not {advantage_estimator!r}."
+            )
+        groups = rewards.view(-1, g, rewards.shape[1])
+        z = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-4)
+        advantages = whiten(z.reshape(-1, rewards.shape[1]) @ weights)
+    else:
+        total = rewards @ weights
+        groups = total.view(-1, g)
+        if advantage_estimator == "grpo":
+            advantages = group_advantages(total, g, scale_rewards)
+        elif advantage_estimator == "rloo":
+            baseline = (groups.sum(-1, keepdim=True) - groups) / max(g - 1, 1)
+            advantages = (groups - baseline).flatten()
+        else:
+            advantages = whiten((groups - groups.mean(-1, keepdim=True)).flatten())
+    return whiten(advantages) if normalize_advantages else advantages
+
+
 def build_rollout_rows(
     prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], advantages: Sequence[float]
 ) -> list[dict[str, Any]]:
@@ -197,6 +268,11 @@ def build_rollout(
     max_prompt_length: int | None = None,
     row_names: Sequence[str] | None = None,
     seed: int | None = None,
+    advantage_estimator: str = "grpo",
+    multi_objective_aggregation: str = "sum_then_normalize",
+    normalize_advantages: bool = False,
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    rank: int = 0,
 ) -> Rollout:
     """Sample ``num_generations`` completions for each prompt row (a ``"prompt"`` column: text or messages), score
     them and give each its group advantage: steps 1-5 of the module docstring.
@@ -206,6 +282,9 @@ def build_rollout(
 
     Reward functions get the prompts and completions as the dataset holds them (chat prompts: completions as
     ``[{"role": "assistant", "content": text}]``, as TRL passes them) and every other column of the prompt rows.
+
+    ``gather`` (several ranks: ``accelerator.gather``) stacks every rank's rewards in rank order before
+    :func:`compute_advantages`, so batch statistics are the whole generation's; this rank keeps its ``rank``-th share.
     """
     prompts, columns, ids, names = [], {}, [], []
     for j, row in enumerate(prompt_rows):
@@ -234,7 +313,16 @@ def build_rollout(
     if reward_weights is not None:
         weights = torch.tensor(list(reward_weights), dtype=torch.float64)
     total = rewards @ weights
-    advantages = group_advantages(total, num_generations, scale_rewards)
+    everyone = rewards if gather is None else gather(rewards.contiguous())
+    advantages = compute_advantages(
+        everyone,
+        num_generations,
+        weights,
+        scale_rewards=scale_rewards,
+        advantage_estimator=advantage_estimator,
+        multi_objective_aggregation=multi_objective_aggregation,
+        normalize_advantages=normalize_advantages,
+    )[rank * len(total) : (rank + 1) * len(total)]
     return Rollout(
         rows=build_rollout_rows(ids, completion_ids, advantages.tolist()),
         rewards=rewards,
@@ -258,6 +346,9 @@ __all__ = [
     "Rollout",
     "build_rollout",
     "build_rollout_rows",
+    "compute_advantages",
+    "ADVANTAGE_ESTIMATORS",
+    "MULTI_OBJECTIVE_AGGREGATIONS",
     "get_prompt_ids",
     "get_reward_name",
     "group_advantages",

@@ -11,7 +11,16 @@ by the loss type's unit, counted the same way:
 
 - ``"token"`` (DAPO): ``sum_t l_t / N_tokens``;
 - ``"sequence"`` (GRPO): ``sum_b mean_{t in b} l_t / N_completions``;
-- ``"dr_grpo"``: ``sum_t l_t / (N_completions * max_completion_length)``.
+- ``"dr_grpo"``: ``sum_t l_t / (N_completions * max_completion_length)``;
+- ``"cispo"`` (MiniMax-M1): ``l_t = -sg(min(r_t, eps_high)) A log pi_t``, divided as ``"token"``;
+- ``"sapo"``: ``l_t = -(4 / tau) sigmoid(tau (r_t - 1)) A`` (tau: ``sapo_temperature_pos`` for A > 0, else
+  ``_neg``), divided as ``"sequence"`` (TRL's rule for both).
+
+``importance_sampling_level="sequence"`` (GSPO) replaces ``r_t`` by one ratio per completion b,
+``r_b = exp(mean_{t in b}(logp_t - old_t))``, for every token of b (clipped once per completion). Its unit is the
+completion: every token of b must be in the micro-batch that computes ``r_b``. A completion is one row and
+micro-batches (padded or padding-free) are sets of whole rows, so that always holds here; the mean is taken over
+the completion's ``sequence_ids`` (padding-free) or its row, never over a packed row or a micro-batch.
 
 A rollout sampled by another engine than the trained model (vLLM) may carry ``importance_weights``: one fixed weight
 ``w_t`` per completion token, the importance-sampling correction of the sampler's mismatch
@@ -22,9 +31,9 @@ The unit exists only after the rollout and a rollout is split over micro-batches
 is the method's best-known bug class (normalizing by each micro-batch's own tokens: 0.59 relative error at bs 2 x
 GA 4 on a fixed rollout, notebook 07). Here the window counts the units before the first backward, as for SFT.
 
-The math is in pure functions (:func:`clipped_surrogate_loss`, :func:`k3_kl`, :func:`importance_sampling_weights`,
-:func:`policy_gradient_sums`, :func:`normalize_policy_loss`); :class:`PolicyGradientObjective` reads a batch and
-routes them.
+The math is in pure functions (:func:`clipped_surrogate_loss`, :func:`cispo_loss`, :func:`sapo_loss`,
+:func:`sequence_log_ratio`, :func:`k3_kl`, :func:`importance_sampling_weights`, :func:`policy_gradient_sums`,
+:func:`normalize_policy_loss`); :class:`PolicyGradientObjective` reads a batch and routes them.
 """
 
 from __future__ import annotations
@@ -44,7 +53,12 @@ from ..ops.model_io import get_num_virtual_tokens, model_inputs, packed_position
 from .base import Objective
 from .causal_lm import get_batch_sequences
 
-LOSS_TYPES = ("token", "sequence", "dr_grpo")
+LOSS_TYPES = ("token", "sequence", "dr_grpo", "cispo", "sapo")
+# The unit each loss type divides by (TRL: cispo sums over the step's tokens as dapo does, sapo averages per
+# completion as grpo does).
+LOSS_UNITS = {"token": "token", "sequence": "sequence", "dr_grpo": "dr_grpo", "cispo": "token", "sapo": "sequence"}
+# TRL's GRPOConfig.importance_sampling_level: one ratio per token, or one per completion (GSPO).
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 # TRL's names for the same losses: its "dapo" is the token loss, its "grpo" the per-completion mean.
 LOSS_TYPE_ALIASES = {"dapo": "token", "grpo": "sequence"}
 # Batch entries of a rollout that are no model inputs: one float per row, and per-token floats aligned with labels.
@@ -79,6 +93,55 @@ def clipped_surrogate_loss(
     low = (ratio < 1 - epsilon_low) & (advantages < 0)
     high = (ratio > 1 + epsilon_high) & (advantages > 0)
     return loss, low, high
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """GSPO's length-normalized log-ratio of each completion, given back per token ``[N]``.
+
+    ``s_b = (1 / n_b) sum_{t in b} (logp_t - old_t)`` over all ``n_b`` tokens of completion b (``rows`` names each
+    token's completion); token t of b gets ``s_b``, differentiable through every token of b. ``r_b = exp(s_b)``.
+
+    >>> sequence_log_ratio(torch.tensor([0.2, 0.4, -1.0]), torch.tensor([0, 0, 1]), 2)
+    tensor([ 0.3000,  0.3000, -1.0000])
+    """
+    sums = log_ratio.new_zeros(num_rows).index_add(0, rows, log_ratio)
+    counts = torch.bincount(rows, minlength=num_rows).clamp(min=1)
+    return (sums / counts.to(log_ratio.dtype))[rows]
+
+
+def cispo_loss(
+    log_ratio: torch.Tensor, logps: torch.Tensor, advantages: torch.Tensor, epsilon_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1) per token: ``(loss, clipped)``, both ``[N]``.
+
+    ``loss_t = -sg(min(r_t, epsilon_high)) * A_t * logp_t`` with ``r_t = exp(log_ratio_t)``: the ratio is detached
+    and capped, so every token keeps the gradient ``-min(r_t, epsilon_high) A_t grad(logp_t)`` (no token's gradient is
+    dropped by a clip). ``epsilon_high`` is the cap on the ratio itself (TRL's meaning; ScaleRL uses 5.0).
+    ``clipped`` is ``r_t > epsilon_high`` with ``A_t > 0`` (TRL's ``cispo_clip_ratio``).
+
+    >>> loss, clipped = cispo_loss(torch.tensor([0.0, 2.0]), torch.tensor([-1.0, -1.0]), torch.ones(2), 5.0)
+    >>> loss, clipped  # r = 1, and e^2 = 7.4 capped at 5
+    (tensor([1., 5.]), tensor([False,  True]))
+    """
+    ratio = torch.exp(log_ratio.detach())
+    loss = -torch.clamp(ratio, max=epsilon_high) * advantages * logps
+    return loss, (ratio > epsilon_high) & (advantages > 0)
+
+
+def sapo_loss(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float = 1.0, temperature_neg: float = 1.05
+) -> torch.Tensor:
+    """SAPO's soft gate per token ``[N]``: ``loss_t = -(4 / tau_t) * sigmoid(tau_t * (r_t - 1)) * A_t``.
+
+    ``r_t = exp(log_ratio_t)``, ``tau_t = temperature_pos`` where ``A_t > 0``, else ``temperature_neg`` (TRL's
+    ``sapo_temperature_pos`` / ``_neg``). At ``r = 1`` the gradient is ``-A grad(logp)``, as the clipped surrogate's;
+    away from 1 it fades smoothly instead of dropping to 0 at a bound.
+
+    >>> sapo_loss(torch.zeros(2), torch.tensor([1.0, -1.0]))  # r = 1: -(4 / tau) * 0.5 * A
+    tensor([-2.0000,  1.9048])
+    """
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(log_ratio.dtype)
+    return -(4 / tau) * torch.sigmoid(tau * (torch.exp(log_ratio) - 1)) * advantages
 
 
 def k3_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -170,19 +233,21 @@ def normalize_policy_loss(
 
     - ``"token"``: ``P * S / N_tokens``;
     - ``"sequence"``: ``P * S_seq / N_completions``;
-    - ``"dr_grpo"``: ``P * S / (N_completions * max_completion_length)``.
+    - ``"dr_grpo"``: ``P * S / (N_completions * max_completion_length)``;
+    - ``"cispo"`` as ``"token"``, ``"sapo"`` as ``"sequence"``.
 
     Summed over the window and averaged over the ranks (DDP), that is the loss of one batch holding the whole step.
     A step without completions gives 0 instead of 0 / 0.
     """
-    if loss_type == "token":
-        denominator = num_tokens
-    elif loss_type == "sequence":
-        denominator = num_completions
-    elif loss_type == "dr_grpo":
-        denominator = num_completions * max_completion_length
-    else:
+    if loss_type not in LOSS_UNITS:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    unit = LOSS_UNITS[loss_type]  # cispo divides as token, sapo as sequence
+    if unit == "token":
+        denominator = num_tokens
+    elif unit == "sequence":
+        denominator = num_completions
+    else:
+        denominator = num_completions * max_completion_length
     return loss_sum * (world_size / max(denominator, 1))
 
 
@@ -190,10 +255,12 @@ class PolicyGradientSums(NamedTuple):
     """Sums over the completion tokens of one micro-batch (the loss's, differentiable; the rest detached).
 
     Args:
-        loss: what the loss type divides: ``sum_t l_t`` (token, dr_grpo) or ``sum_b mean_{t in b} l_t`` (sequence).
+        loss: what the loss type divides: ``sum_t l_t`` (token, dr_grpo, cispo) or ``sum_b mean_{t in b} l_t``
+            (sequence, sapo).
         num_tokens: completion tokens.
         num_completions: completions with at least one token.
-        clipped_low, clipped_high: tokens whose ratio was clipped below (A < 0) / above (A > 0).
+        clipped_low, clipped_high: tokens whose ratio was clipped below (A < 0) / above (A > 0); completions at
+            ``importance_sampling_level="sequence"``; for ``"cispo"`` ``clipped_high`` counts the capped ratios.
         kl: sum of the k3 KL estimates to the reference (0 when ``beta == 0``).
         entropy: sum of the entropies of the policy's next-token distributions at the completion tokens.
     """
@@ -221,6 +288,12 @@ class PolicyGradientObjective(Objective):
             policy's base: :func:`hfacc.models.reference.build_reference_model`); rows with ``ref_logps`` need none.
         max_completion_length: the longest completion the rollout could sample (``"dr_grpo"``'s constant).
         temperature: the sampling temperature: log-probs are those of ``logits / temperature``, as sampled.
+        importance_sampling_level: ``"token"`` (one ratio per token) or ``"sequence"`` (GSPO: one length-normalized
+            ratio per completion, :func:`sequence_log_ratio`; TRL's setting of the same name).
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures for A > 0 and A <= 0 (TRL's names).
+
+    ``loss_type`` adds ``"cispo"`` (:func:`cispo_loss`, ``epsilon_high`` is its cap on the ratio and must be set)
+    and ``"sapo"`` (:func:`sapo_loss`) to the clipped surrogate's three normalizations.
 
     Rows: ``input_ids``, ``labels`` (-100 outside the completion), ``advantages`` (one float per row: a ``row_keys``
     entry, kept as it is by the padding-free layout), and optionally ``old_logps``, ``ref_logps`` and
@@ -253,6 +326,9 @@ class PolicyGradientObjective(Objective):
         ref_model: nn.Module | None = None,
         max_completion_length: int | None = None,
         temperature: float = 1.0,
+        importance_sampling_level: str = "token",
+        sapo_temperature_pos: float = 1.0,
+        sapo_temperature_neg: float = 1.05,
     ):
         super().__init__()
         loss_type = LOSS_TYPE_ALIASES.get(loss_type, loss_type)
@@ -271,12 +347,32 @@ class PolicyGradientObjective(Objective):
             )
         if beta < 0:
             raise ValueError(f"beta={beta}: the KL weight must be >= 0.")
+        if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level={importance_sampling_level!r}: use one of {list(IMPORTANCE_SAMPLING_LEVELS)}."
+            )
+        if loss_type == "cispo" and epsilon_high is None:
+            raise ValueError(
+                "loss_type='cispo' caps the ratio at epsilon_high itself (TRL's meaning, not 1 + epsilon_high): set "
+                "epsilon_high (ScaleRL: 5.0); left unset, TRL would cap it at epsilon."
+            )
+        if loss_type == "cispo" and epsilon_high <= 1:
+            raise ValueError(
+                f"loss_type='cispo' caps the ratio at epsilon_high itself: epsilon_high={epsilon_high} <= 1 caps even "
+                "the on-policy ratio 1 (a PPO bound like 0.28 does not carry over); set epsilon_high > 1 (ScaleRL: 5.0)."
+            )
+        if not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
+            raise ValueError(
+                f"sapo_temperature_pos={sapo_temperature_pos}, sapo_temperature_neg={sapo_temperature_neg}: both > 0."
+            )
         if not temperature > 0:
             raise ValueError(f"temperature={temperature}: it must be > 0.")
         self.loss_type, self.epsilon, self.beta = loss_type, epsilon, beta
         self.epsilon_high = epsilon if epsilon_high is None else epsilon_high
         self.ref_model, self.max_completion_length, self.temperature = ref_model, max_completion_length, temperature
         self.reference = None  # built by setup() when beta > 0 and the rows carry no ref_logps
+        self.importance_sampling_level = importance_sampling_level
+        self.sapo_temperature_pos, self.sapo_temperature_neg = sapo_temperature_pos, sapo_temperature_neg
         self.fused, self.chunk_size = False, 0
 
     def copies_policy(self) -> bool:
@@ -327,9 +423,23 @@ class PolicyGradientObjective(Objective):
         # No old log-probs: the rollout comes from this very policy (one step per generation), so the ratio is 1 and
         # the gradient is A * grad(logp) (PPO's ratio at its anchor).
         old = logps.detach() if old is None else old
-        per_token, low, high = clipped_surrogate_loss(
-            logps, old, advantages.to(logps.dtype)[rows], self.epsilon, self.epsilon_high
-        )
+        token_advantages = advantages.to(logps.dtype)[rows]
+        log_ratio = logps - old
+        if self.importance_sampling_level == "sequence":  # GSPO: every token of the completion is in this batch
+            log_ratio = sequence_log_ratio(log_ratio, rows, num_rows)
+        if self.loss_type == "cispo":
+            per_token, high = cispo_loss(log_ratio, logps, token_advantages, self.epsilon_high)
+            low = torch.zeros_like(high)
+        elif self.loss_type == "sapo":
+            per_token = sapo_loss(log_ratio, token_advantages, self.sapo_temperature_pos, self.sapo_temperature_neg)
+            low = high = torch.zeros_like(per_token, dtype=torch.bool)
+        else:
+            per_token, low, high = clipped_surrogate_loss(
+                log_ratio, torch.zeros_like(log_ratio), token_advantages, self.epsilon, self.epsilon_high
+            )
+        if self.importance_sampling_level == "sequence":  # clipped completions, as TRL counts them at this level
+            low = _any_per_row(low, rows, num_rows)
+            high = _any_per_row(high, rows, num_rows)
         weights = get_aligned_values(batch.get("importance_weights"), result.mask)
         if weights is not None:  # the sampler's mismatch, corrected (fixed weights: the step stays exact)
             per_token = per_token * weights.to(per_token.dtype)
@@ -350,7 +460,7 @@ class PolicyGradientObjective(Objective):
         token_sum, sequence_sum, per_row = policy_gradient_sums(per_token, rows, num_rows)
         zero = logps.new_zeros(())
         sums = PolicyGradientSums(
-            loss=sequence_sum if self.loss_type == "sequence" else token_sum,
+            loss=sequence_sum if LOSS_UNITS[self.loss_type] == "sequence" else token_sum,
             num_tokens=torch.tensor(logps.numel(), device=logps.device),
             num_completions=(per_row > 0).sum(),
             clipped_low=low.sum(),
@@ -394,7 +504,7 @@ class PolicyGradientObjective(Objective):
             "sequence": completions,
             "dr_grpo": completions * (self.max_completion_length or 0),
         }
-        den = denominator[self.loss_type]
+        den = denominator[LOSS_UNITS[self.loss_type]]
         logs = {
             f"{prefix}loss": loss / den if den else math.nan,
             f"{prefix}num_completion_tokens": int(tokens),
@@ -404,15 +514,21 @@ class PolicyGradientObjective(Objective):
             logs[f"{prefix}entropy"] = entropy / tokens
             if self.beta > 0:
                 logs[f"{prefix}kl"] = kl / tokens
-            logs[f"{prefix}clip_ratio/low_mean"] = low / tokens
-            logs[f"{prefix}clip_ratio/high_mean"] = high / tokens
-            logs[f"{prefix}clip_ratio/region_mean"] = (low + high) / tokens
+            # TRL's clip metrics: per token, or per completion at importance_sampling_level="sequence".
+            unit = completions if self.importance_sampling_level == "sequence" else tokens
+            if self.loss_type == "cispo":
+                logs[f"{prefix}cispo_clip_ratio"] = high / max(unit, 1)
+            elif self.loss_type != "sapo":  # TRL logs no clip metric for SAPO's gate
+                logs[f"{prefix}clip_ratio/low_mean"] = low / max(unit, 1)
+                logs[f"{prefix}clip_ratio/high_mean"] = high / max(unit, 1)
+                logs[f"{prefix}clip_ratio/region_mean"] = (low + high) / max(unit, 1)
         return logs
 
     def __repr__(self) -> str:
         return (
             f"PolicyGradientObjective(loss_type={self.loss_type!r}, epsilon={self.epsilon}, "
-            f"epsilon_high={self.epsilon_high}, beta={self.beta})"
+            f"epsilon_high={self.epsilon_high}, beta={self.beta}, "
+            f"importance_sampling_level={self.importance_sampling_level!r})"
         )
 
 
@@ -457,6 +573,11 @@ def get_aligned_values(values: torch.Tensor | None, mask: torch.Tensor) -> torch
     return F.pad(values[..., 1:], (0, 1))[mask].float()
 
 
+def _any_per_row(flags: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Per-token flags ``[N]`` to one flag per completion that has any (``[num_rows]``): a sequence-level count."""
+    return flags.new_zeros(num_rows, dtype=torch.long).index_add(0, rows, flags.long()) > 0
+
+
 def _inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
     inputs = {k: v for k, v in model_inputs(batch).items() if k not in POLICY_KEYS}
     if packed_position_ids(inputs) is not None:
@@ -468,6 +589,9 @@ __all__ = [
     "PolicyGradientObjective",
     "PolicyGradientSums",
     "clipped_surrogate_loss",
+    "cispo_loss",
+    "sapo_loss",
+    "sequence_log_ratio",
     "k3_kl",
     "importance_sampling_weights",
     "policy_gradient_sums",
@@ -475,5 +599,7 @@ __all__ = [
     "get_completion_targets",
     "get_aligned_values",
     "LOSS_TYPES",
+    "LOSS_UNITS",
+    "IMPORTANCE_SAMPLING_LEVELS",
     "IMPORTANCE_SAMPLING_MODES",
 ]

@@ -16,8 +16,10 @@ When a micro-batch is trained after an optimizer step that followed its generati
 the policy that sampled them, taken right after sampling, before the first pass. Otherwise the ratio is 1 and none
 are needed (TRL's rule).
 
-Each rank samples the completions of its own prompts (a prompt's group never spans ranks), so advantages need no
-communication; the logged rewards, lengths and clip ratios are sums over all ranks and the logging interval, each
+Each rank samples the completions of its own prompts (a prompt's group never spans ranks); the rewards of every
+rank are gathered before the advantages (:func:`hfacc.generation.rollout.compute_advantages`), so the batch
+statistics of ``scale_rewards="batch"``, REINFORCE++, GDPO and ``normalize_advantages`` are the whole generation's,
+equal on every rank, before any backward; the logged rewards, lengths and clip ratios are sums over all ranks and the logging interval, each
 over its own unit.
 
 The sampling goes through the trainer's generation engine (:mod:`hfacc.generation.engine`): the policy's own
@@ -43,9 +45,18 @@ from transformers import TrainingArguments
 from ..data.collator import DataCollatorForCausalLM
 from ..generation.engine import GenerationEngine
 from ..generation.rewards import get_reward_function
-from ..generation.rollout import SCALE_REWARDS, Rollout, SamplingSettings, build_rollout, get_reward_name
+from ..generation.rollout import (
+    ADVANTAGE_ESTIMATORS,
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    SCALE_REWARDS,
+    Rollout,
+    SamplingSettings,
+    build_rollout,
+    get_reward_name,
+)
 from ..generation.vllm_engine import VLLMArguments, build_generation_engine, check_vllm_settings
 from ..objectives.policy_gradient import (
+    IMPORTANCE_SAMPLING_LEVELS,
     IMPORTANCE_SAMPLING_MODES,
     LOSS_TYPE_ALIASES,
     LOSS_TYPES,
@@ -96,8 +107,45 @@ class GRPOArguments(TokenWeightedArguments, VLLMArguments):
         metadata={
             "help": "'token' (DAPO: every completion token of the step weighs the same), 'sequence' (GRPO: every "
             "completion weighs the same), 'dr_grpo' (sum / (completions x max_completion_length)); TRL's 'dapo' "
-            "and 'grpo' name the first two."
+            "and 'grpo' name the first two. 'cispo' (MiniMax-M1: the detached ratio capped at epsilon_high, x A x "
+            "log pi; divided as 'token') and 'sapo' (a sigmoid gate instead of the clip; divided as 'sequence')."
         },
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={
+            "help": "'token': one ratio per token; 'sequence' (GSPO): one ratio per completion, exp of the mean of its "
+            "tokens' log-ratios, clipped per completion (GSPO uses epsilon 3e-4, epsilon_high 4e-4, loss_type "
+            "'sequence').",
+            "choices": ["token", "sequence"],
+        },
+    )
+    sapo_temperature_pos: float = field(
+        default=1.0, metadata={"help": "SAPO's gate temperature for completions with positive advantage."}
+    )
+    sapo_temperature_neg: float = field(
+        default=1.05, metadata={"help": "SAPO's gate temperature for completions with advantage <= 0."}
+    )
+    advantage_estimator: str = field(
+        default="grpo",
+        metadata={
+            "help": "'grpo': reward minus the group's mean (scale_rewards); 'rloo': minus the mean of the group's "
+            "other completions (TRL's RLOOTrainer); 'reinforce_pp' (REINFORCE++-baseline): minus the group's mean, "
+            "then normalized over the generation batch of all ranks.",
+            "choices": ["grpo", "rloo", "reinforce_pp"],
+        },
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "'sum_then_normalize': weighted sum of the rewards, then the advantage; 'normalize_then_sum' "
+            "(GDPO): each reward normalized in its group, then the weighted sum normalized over the generation batch.",
+            "choices": ["sum_then_normalize", "normalize_then_sum"],
+        },
+    )
+    normalize_advantages: bool = field(
+        default=False,
+        metadata={"help": "Whiten the advantages over the generation batch of all ranks (TRL's RLOOConfig setting)."},
     )
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping bound of the ratio: r >= 1 - epsilon."})
     epsilon_high: float | None = field(
@@ -171,6 +219,28 @@ def validate_grpo_settings(args: GRPOArguments) -> None:
         raise ValueError(f"loss_type={args.loss_type!r}: use one of {list(LOSS_TYPES)} (or TRL's 'dapo', 'grpo').")
     if args.scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={args.scale_rewards!r}: use one of {list(SCALE_REWARDS)}.")
+    if args.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level={args.importance_sampling_level!r}: use one of "
+            f"{list(IMPORTANCE_SAMPLING_LEVELS)}."
+        )
+    if args.advantage_estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage_estimator={args.advantage_estimator!r}: use one of {list(ADVANTAGE_ESTIMATORS)}.")
+    if args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(
+            f"multi_objective_aggregation={args.multi_objective_aggregation!r}: use one of "
+            f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}."
+        )
+    if args.multi_objective_aggregation == "normalize_then_sum" and args.advantage_estimator != "grpo":
+        raise ValueError(
+            "multi_objective_aggregation='normalize_then_sum' (GDPO) normalizes each reward in its group itself: "
+            f"set advantage_estimator='grpo' (not {args.advantage_estimator!r})."
+        )
+    if args.loss_type == "cispo" and (args.epsilon_high is None or args.epsilon_high <= 1):
+        raise ValueError(
+            f"loss_type='cispo' caps the ratio at epsilon_high itself (TRL's meaning), epsilon_high="
+            f"{args.epsilon_high}: set --epsilon_high above 1 (ScaleRL: 5.0); a PPO bound like 0.28 caps every ratio."
+        )
     if args.normalization == "sequence":
         raise ValueError("normalization='sequence' does not apply to GRPO: set loss_type='sequence' instead.")
     if not args.temperature > 0:
@@ -306,6 +376,9 @@ class GRPOTrainer(TokenWeightedTrainer):
             ref_model=ref_model,
             max_completion_length=args.max_completion_length,
             temperature=args.temperature,
+            importance_sampling_level=args.importance_sampling_level,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
         )
         super().__init__(
             model,
@@ -388,6 +461,13 @@ class GRPOTrainer(TokenWeightedTrainer):
             max_prompt_length=args.max_prompt_length,
             row_names=[f"row {i} of the prompts dataset" for i in indices],
             seed=(base_seed * 1_000_003 + generation * 7919 + rank * 104_729) % 2**31,
+            advantage_estimator=args.advantage_estimator,
+            multi_objective_aggregation=args.multi_objective_aggregation,
+            normalize_advantages=args.normalize_advantages,
+            # Batch statistics (scale_rewards='batch', reinforce_pp, GDPO, normalize_advantages) are the whole
+            # generation's: every rank's rewards, gathered before any advantage (groups stay within a rank).
+            gather=self.gather_rewards if self.accelerator.num_processes > 1 else None,
+            rank=rank,
         )
         if rollout.sampler_logps is not None:  # aligned with labels, as old_logps are
             for row, logps in zip(rollout.rows, rollout.sampler_logps, strict=True):
@@ -411,6 +491,10 @@ class GRPOTrainer(TokenWeightedTrainer):
         # The rate logged for training leaves the rollout out; it is logged apart (generation_time).
         self.meter.exclude_time(seconds)
         return batches
+
+    def gather_rewards(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``[N, F]`` rewards, in rank order (on the accelerator's device for the collective)."""
+        return self.accelerator.gather(rewards.to(self.accelerator.device)).cpu()
 
     def add_sampler_terms(self, policy: nn.Module, batch: dict[str, torch.Tensor], rows: list[dict]) -> None:
         """What one micro-batch needs of the sampling policy, in ``batch`` (and in ``rows``, so that a test can rebuild

@@ -72,6 +72,25 @@ class VerifyArguments:
     seed: int = field(default=0, metadata={"help": "Seed of the data sampling and of random ops."})
     fused_loss: bool = training_field("fused_loss")
     json_path: str | None = field(default=None, metadata={"help": "Also write the report as JSON here."})
+    loss_type: str | None = field(
+        default=None,
+        metadata={"help": "With --objective grpo: the loss type to check (None: every one: token, sequence, dr_grpo, "
+                  "cispo, sapo)."},
+    )  # fmt: skip
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={"help": "With --objective grpo: 'token', or 'sequence' (GSPO: one ratio per completion, bounds "
+                  "epsilon 3e-4 / epsilon_high 4e-4 as in the paper)."},
+    )  # fmt: skip
+    advantage_estimator: str = field(
+        default="grpo",
+        metadata={"help": "With --objective grpo: the rollout's advantages ('grpo', 'rloo', 'reinforce_pp'), taken "
+                  "over every rank's rewards."},
+    )  # fmt: skip
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={"help": "With --objective grpo: 'normalize_then_sum' is GDPO's advantage (one reward here)."},
+    )  # fmt: skip
 
     def __post_init__(self):
         if self.per_device_train_batch_size < 1 or self.gradient_accumulation_steps < 1:
@@ -457,7 +476,8 @@ class PolicyGradientVerifyReport:
             f"{r['clipped_share']:.0%} of the ratios clipped",
             f"split       {r['micro_batch_size']} per micro-batch x {r['accumulation_steps']} micro-batches x "
             f"{r['world_size']} rank(s); steps_per_generation {' and '.join(r['steps_per_generation'])}",
-            f"loss        {r['loss_path']}, beta {r['beta']} (k3 KL to a reference)",
+            f"loss        {r['loss_path']}, beta {r['beta']} (k3 KL to a reference), importance_sampling_level "
+            f"{r.get('importance_sampling_level', 'token')!r}, advantages {r.get('advantages', 'grpo')}",
             "",
             "relative error of each optimizer step's gradient vs one big batch of what that step consumes (fp32):",
         ]
@@ -504,6 +524,10 @@ def verify_policy_gradient(
     accelerator=None,
     seed: int = 0,
     fused_loss: bool = True,
+    loss_types: Sequence[str] | None = None,
+    importance_sampling_level: str = "token",
+    advantage_estimator: str = "grpo",
+    multi_objective_aggregation: str = "sum_then_normalize",
 ) -> PolicyGradientVerifyReport:
     """Sample a fixed rollout from ``model`` and check, for every loss type, that each optimizer step of it —
     ``steps_per_generation`` = GA and 2 x GA, over the ranks of ``accelerator`` — gives the gradient of one big batch
@@ -515,10 +539,22 @@ def verify_policy_gradient(
     Each rank samples for its own prompts; every rank then holds all rows, for the reference. The accumulation runs
     as training does (the window's counts over all ranks, the loss path training would choose, DDP's ``no_sync``);
     the reference is the plain path (full logits) on one batch.
+
+    ``loss_types`` (None: all of them) and ``importance_sampling_level`` pick the variants (GSPO: ``"sequence"``,
+    with its paper's bounds 3e-4 / 4e-4; CISPO's cap on the ratio is 1.2 here, so the rollout reaches it); the
+    advantages are ``advantage_estimator`` / ``multi_objective_aggregation``'s over every rank's rewards.
     """
     from ..data.collator import DataCollatorForCausalLM
-    from ..generation.rollout import SamplingSettings, build_rollout_rows, group_advantages, sample_completions
-    from ..objectives.policy_gradient import LOSS_TYPES, PolicyGradientObjective
+    from ..generation.rollout import SamplingSettings, build_rollout_rows, compute_advantages, sample_completions
+    from ..objectives.policy_gradient import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, PolicyGradientObjective
+
+    loss_types = list(LOSS_TYPES if loss_types is None else loss_types)
+    bad = [t for t in loss_types if t not in LOSS_TYPES]
+    if bad or importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"loss_type {bad or ''} / importance_sampling_level={importance_sampling_level!r}: use loss types of "
+            f"{list(LOSS_TYPES)} and a level of {list(IMPORTANCE_SAMPLING_LEVELS)}."
+        )
 
     if accelerator is None:
         from accelerate import Accelerator
@@ -545,7 +581,18 @@ def verify_policy_gradient(
     cuts = torch.randint(1, max_completion_length + 1, (len(completions),), generator=generator).tolist()
     completions = [c[: max(1, min(n, len(c)))] for c, n in zip(completions, cuts, strict=True)]
     rewards = torch.rand(len(completions), generator=generator, dtype=torch.float64)
-    rows = build_rollout_rows(mine, completions, group_advantages(rewards, num_generations).tolist())
+    everyone_rewards = rewards
+    if world > 1:  # batch statistics of the advantages are over every rank's completions
+        from accelerate.utils import gather_object
+
+        everyone_rewards = torch.cat(gather_object([rewards]))
+    advantages = compute_advantages(
+        everyone_rewards[:, None],
+        num_generations,
+        advantage_estimator=advantage_estimator,
+        multi_objective_aggregation=multi_objective_aggregation,
+    )[rank * len(rewards) : (rank + 1) * len(rewards)]
+    rows = build_rollout_rows(mine, completions, advantages.tolist())
     collate = DataCollatorForCausalLM(tokenizer.pad_token_id)
     with torch.no_grad():  # the old policy and the reference: the model's log-probs, moved by noise
         for row in rows:
@@ -606,8 +653,18 @@ def verify_policy_gradient(
         return rows[local], [r for k in range(world) for r in everyone[k * per : (k + 1) * per][local]]
 
     errors, micro, generation, clipped = {}, {}, {}, []
-    for loss_type in LOSS_TYPES:
-        objective = PolicyGradientObjective(loss_type, beta=beta, max_completion_length=max_completion_length)
+    gspo = importance_sampling_level == "sequence"
+    for loss_type in loss_types:
+        bounds = (3e-4, 4e-4) if gspo else (0.2, None)
+        if loss_type == "cispo":  # its cap is on the ratio itself: 1.2 is reached by the noisy old log-probs
+            bounds = (0.2, 1.2)
+        objective = PolicyGradientObjective(
+            loss_type,
+            *bounds,
+            beta=beta,
+            max_completion_length=max_completion_length,
+            importance_sampling_level=importance_sampling_level,
+        )
         objective.fused, objective.chunk_size = setup.objective.fused, setup.objective.chunk_size
         errors[loss_type] = {}
         for spg in spgs:
@@ -654,6 +711,9 @@ def verify_policy_gradient(
             "steps_per_generation": [f"{spgs[0]} (= GA)", f"{spgs[1]} (= 2 x GA: two optimizer steps)"],
             "loss_path": "chunked log-probs from the hidden states" if setup.objective.fused else "full logits",
             "beta": beta,
+            "importance_sampling_level": importance_sampling_level,
+            "advantages": advantage_estimator
+            + (", GDPO's normalize_then_sum" if multi_objective_aggregation == "normalize_then_sum" else ""),
         },
         findings=findings,
         model=f"{type(base).__name__}, {sum(p.numel() for _, p in named) / 1e6:.2f} M trainable parameters, "
