@@ -87,6 +87,18 @@ from .training.distill_trainer import DistillationArguments, DistillationTrainer
 from .training.grpo_trainer import GRPOArguments, GRPOTrainer
 from .training.step_gate import NonFiniteLossError
 from .training.trainer import TokenWeightedTrainer
+from .training.trl_trainers import (
+    DistillationConfig,
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    KTOConfig,
+    KTOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    SFTConfig,
+    SFTTrainer,
+)
 from .verify.equivalence import verify_accumulation
 
 __version__ = "0.1.0"
@@ -159,6 +171,17 @@ __all__ = [
     "VLLMEngine",
     "VLLMArguments",
     "build_generation_engine",
+    # TRL's trainers and configs under TRL's names (docs/from_trl.md)
+    "SFTTrainer",
+    "SFTConfig",
+    "DPOTrainer",
+    "DPOConfig",
+    "RewardTrainer",
+    "RewardConfig",
+    "KTOTrainer",
+    "KTOConfig",
+    "GRPOConfig",
+    "DistillationConfig",
     # loss math
     "IGNORE_INDEX",
     "LossSums",
