@@ -345,7 +345,12 @@ def fixtures() -> dict:
     collate = DataCollatorForCausalLM(tokenizer.pad_token_id)
     examples = build_sft_dataset(raw_dataset, tokenizer).to_list()
     dataloader = [collate(examples[i : i + 2]) for i in range(0, len(examples), 2)]
+    # docs/from_trl.md's TRL scripts load a model by name: a tiny one saved where the block runs (no Hub here).
+    model.config.pad_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model.save_pretrained("tiny-model")
+    tokenizer.save_pretrained("tiny-model")
     return {
+        "model_id": "tiny-model",
         "model": model,
         "tokenizer": tokenizer,
         "raw_dataset": raw_dataset,
