@@ -138,3 +138,33 @@ def test_reward_and_kto_trainers_take_a_model_name(model_dir, tmp_path):
                            **COMMON), train_dataset=pairs())  # fmt: skip
     assert kto.objective.desirable_weight == 2.0
     assert len(kto.train_dataset) == 8  # each pair unpaired into a desirable and an undesirable row
+
+
+def test_dpo_trainer_accumulates_to_the_big_batch(model_dir, tmp_path):
+    """The front door keeps hfacc's window: 8 pairs as (8, 1), (2, 4) and ragged (3, 3) give one update."""
+
+    def update(batch: int, accumulation: int, normalization: str = "token") -> torch.Tensor:
+        args = hfacc.DPOConfig(
+            output_dir=str(tmp_path / f"{batch}x{accumulation}{normalization}"),
+            normalization=normalization,
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation,
+            max_steps=1,
+            learning_rate=1.0,
+            optim="sgd",
+            lr_scheduler_type="constant",
+            loss_type=["sigmoid", "sft"],
+            report_to="none",
+            save_strategy="no",
+        )
+        trainer = hfacc.DPOTrainer(model=model_dir, args=args, train_dataset=pairs(8))
+        before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
+        trainer.train()
+        return torch.cat([p.detach().flatten() for p in trainer.model.parameters()]) - before
+
+    big = update(8, 1)
+    assert big.norm() > 0
+    for batch, accumulation in [(2, 4), (3, 3)]:
+        assert ((update(batch, accumulation) - big).norm() / big.norm()).item() < 1e-6
+    # Negative control: the mean of micro-batch means (TRL's) is off on the ragged split.
+    assert ((update(3, 3, "micro_batch") - big).norm() / big.norm()).item() > 1e-3
