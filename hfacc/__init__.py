@@ -11,7 +11,7 @@ list and from itself, never from one below it (tests/test_layers.py reads every 
     generation   sampling from a policy: the engine (generate, vLLM), rollouts, rewards, generation-based evaluation
     objectives   one module per loss family: its unit, its sums, what it sets up once
     setup        the once-per-model decisions: objective, layout checks (padding-free, packing), loss path
-    training     the trainer and the life of a step, checkpoints, hand-written loops, the GRPO trainer
+    training     the trainer and the life of a step, checkpoints, hand-written loops, the GRPO trainer, TRL's trainers
     verify       ``hfacc verify``: an accumulated window against one big batch, and what breaks it
     jobs         the jobs of the recipes and of ``hfacc sft`` / ``dpo`` / ``grpo``, their console and reports
     cli.py       the ``hfacc`` command
