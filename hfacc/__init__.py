@@ -11,7 +11,7 @@ list and from itself, never from one below it (tests/test_layers.py reads every 
     generation   sampling from a policy: the engine (generate, vLLM), rollouts, rewards, generation-based evaluation
     objectives   one module per loss family: its unit, its sums, what it sets up once
     setup        the once-per-model decisions: objective, layout checks (padding-free, packing), loss path
-    training     the trainer and the life of a step, checkpoints, hand-written loops, the GRPO trainer
+    training     the trainer and the life of a step, checkpoints, hand-written loops, the GRPO trainer, TRL's trainers
     verify       ``hfacc verify``: an accumulated window against one big batch, and what breaks it
     jobs         the jobs of the recipes and of ``hfacc sft`` / ``dpo`` / ``grpo``, their console and reports
     cli.py       the ``hfacc`` command
@@ -87,6 +87,18 @@ from .training.distill_trainer import DistillationArguments, DistillationTrainer
 from .training.grpo_trainer import GRPOArguments, GRPOTrainer
 from .training.step_gate import NonFiniteLossError
 from .training.trainer import TokenWeightedTrainer
+from .training.trl_trainers import (
+    DistillationConfig,
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    KTOConfig,
+    KTOTrainer,
+    RewardConfig,
+    RewardTrainer,
+    SFTConfig,
+    SFTTrainer,
+)
 from .verify.equivalence import verify_accumulation
 
 __version__ = "0.1.0"
@@ -159,6 +171,17 @@ __all__ = [
     "VLLMEngine",
     "VLLMArguments",
     "build_generation_engine",
+    # TRL's trainers and configs under TRL's names (docs/from_trl.md)
+    "SFTTrainer",
+    "SFTConfig",
+    "DPOTrainer",
+    "DPOConfig",
+    "RewardTrainer",
+    "RewardConfig",
+    "KTOTrainer",
+    "KTOConfig",
+    "GRPOConfig",
+    "DistillationConfig",
     # loss math
     "IGNORE_INDEX",
     "LossSums",

@@ -363,5 +363,11 @@ PYTHON_BLOCKS = [b for b in BLOCKS if b[2] == "python"]
 def test_python_block_runs(block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # blocks write their outputs (output_dir="out") where they run
     namespace = fixtures()
+    if "model_id" in block[3]:  # TRL-style scripts load a model by name: the tiny one, saved here (no Hub)
+        model, tokenizer = namespace["model"], namespace["tokenizer"]
+        model.config.pad_token_id, model.config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        model.save_pretrained("tiny-model")
+        tokenizer.save_pretrained("tiny-model")
+        namespace["model_id"] = "tiny-model"
     code = compile(block[3], f"{block[0].name}:{block[1]}", "exec")
     exec(code, namespace)  # noqa: S102 - the docs' own code, run as a user would

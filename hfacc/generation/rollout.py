@@ -17,6 +17,7 @@ The pieces of an online policy-gradient step before any gradient (:class:`hfacc.
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -67,6 +68,18 @@ def get_reward_name(func: Callable) -> str:
     return getattr(func, "__name__", None) or type(func).__name__
 
 
+def call_reward(func: Callable, prompts: list, completions: list, columns: Mapping[str, Any]):
+    """``func``'s rewards: called as TRL calls it, ``func(prompts=..., completions=..., **columns)``, where it names
+    a ``completions`` parameter (TRL's ``def reward(completions, **kwargs)``), else positionally."""
+    try:
+        by_name = "completions" in inspect.signature(func).parameters
+    except (TypeError, ValueError):  # a builtin or C function without a signature
+        by_name = False
+    if by_name:
+        return func(prompts=prompts, completions=completions, **columns)
+    return func(prompts, completions, **columns)
+
+
 def score_completions(
     reward_funcs: Sequence[Callable],
     prompts: Sequence[Any],
@@ -88,7 +101,7 @@ def score_completions(
     for f, func in enumerate(reward_funcs):
         name = get_reward_name(func)
         try:
-            rewards = func(list(prompts), list(completions), **columns)
+            rewards = call_reward(func, list(prompts), list(completions), columns)
         except Exception as err:
             row = _first_failing_row(func, prompts, completions, columns)
             where = f" on {names[row]} (prompt {_short(prompts[row])})" if row is not None else ""
@@ -119,7 +132,7 @@ def score_completions(
 def _first_failing_row(func, prompts, completions, columns) -> int | None:
     for i in range(len(completions)):
         try:
-            func([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in columns.items()})
+            call_reward(func, [prompts[i]], [completions[i]], {k: [v[i]] for k, v in columns.items()})
         except Exception:
             return i
     return None

@@ -35,6 +35,7 @@ from ..data.formats import DataError
 from ..generation.engine import GenerationEngine
 from ..generation.rollout import SamplingSettings, get_prompt_ids, is_conversational
 from ..generation.vllm_engine import VLLMArguments, check_vllm_settings
+from ..models.model_init import disable_dropout, get_model_and_tokenizer
 from ..objectives.distillation import DistillationObjective
 from ..ops.loss import IGNORE_INDEX
 from .arguments import TokenWeightedArguments, convert_arguments
@@ -119,16 +120,30 @@ class DistillationTrainer(TokenWeightedTrainer):
 
     def __init__(
         self,
-        model: nn.Module,
-        teacher_model: nn.Module | str,
+        model: nn.Module | str,
+        teacher_model: nn.Module | str | None = None,
         args=None,
         train_dataset=None,
         processing_class=None,
         callbacks=None,
         optimizers=(None, None),
+        peft_config=None,
         **kwargs,
     ):
         args = convert_arguments(args, DistillationArguments)
+        # TRL's call shape: a model's name (loaded with model_init_kwargs), no processing_class, a peft_config.
+        if isinstance(model, str) or processing_class is None or peft_config is not None:
+            model, processing_class = get_model_and_tokenizer(
+                model,
+                processing_class,
+                model_init_kwargs=getattr(args, "model_init_kwargs", None),
+                peft_config=peft_config,
+                owner="DistillationTrainer",
+            )
+        if getattr(args, "disable_dropout", False):
+            disable_dropout(model)
+        if teacher_model is None:
+            teacher_model = getattr(args, "teacher_model_name_or_path", None)
         if processing_class is None or getattr(processing_class, "pad_token_id", None) is None:
             raise ValueError("DistillationTrainer needs processing_class=<the tokenizer>, with a pad token (and EOS).")
         if kwargs.get("eval_dataset") is not None:
