@@ -116,16 +116,21 @@ def user_errors(debug: bool = False) -> Iterator[_Guard]:
 
 
 def run_recipe(
-    main: Callable, dataclass_types: Sequence[type], default_config: str | Path | None = None, argv=None
+    main: Callable,
+    dataclass_types: Sequence[type],
+    default_config: str | Path | None = None,
+    argv=None,
+    prog: str | None = None,
 ) -> int:
     """Parse the settings of ``dataclass_types`` (YAML + flags) and call ``main(*settings)``, with clean errors.
 
-    A recipe's ``__main__`` is ``sys.exit(run_recipe(main, [...], default_config))``. Returns 0; user errors exit
+    A recipe's ``__main__`` is ``sys.exit(run_recipe(main, [...], default_config))``; ``prog`` is the command
+    ``--help`` names (``hfacc dpo``; default: the script's name). Returns 0; user errors exit
     with code 2 and one message (see :func:`user_errors`); ``--debug`` or ``HFACC_DEBUG=1`` shows tracebacks.
     """
     debug, argv = pop_debug_flag(sys.argv[1:] if argv is None else argv)
     with user_errors(debug) as guard:
-        guard.settings = parse_args(dataclass_types, argv, default_config=default_config)
+        guard.settings = parse_args(dataclass_types, argv, default_config=default_config, prog=prog)
         main(*guard.settings)
     return 0
 

@@ -276,10 +276,10 @@ def default_config(argv: Sequence[str]) -> Path | None:
 DISTILL_ARGUMENTS = (DistillJobArguments, ModelArguments, DataArguments, DistillationArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc distill`` and ``recipes/distill.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, DISTILL_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, DISTILL_ARGUMENTS, default_config(argv), argv=argv, prog=prog)
 
 
 __all__ = ["DistillJobArguments", "DISTILL_ARGUMENTS", "main", "cli", "default_config", "DEFAULT_CONFIG"]

@@ -587,7 +587,7 @@ def default_config(argv: Sequence[str]) -> Path | None:
 DPO_ARGUMENTS = (DPOArguments, ModelArguments, TokenWeightedArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc dpo`` and ``recipes/dpo.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, DPO_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, DPO_ARGUMENTS, default_config(argv), argv=argv, prog=prog)

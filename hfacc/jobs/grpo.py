@@ -390,10 +390,10 @@ def default_config(argv: Sequence[str]) -> Path | None:
 GRPO_ARGUMENTS = (GRPOJobArguments, ModelArguments, GRPOArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc grpo`` and ``recipes/grpo.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, GRPO_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, GRPO_ARGUMENTS, default_config(argv), argv=argv, prog=prog)
 
 
 __all__ = ["GRPOJobArguments", "GRPO_ARGUMENTS", "main", "cli", "default_config", "DEFAULT_CONFIG"]

@@ -211,7 +211,7 @@ def default_config(argv: Sequence[str]) -> Path | None:
 KTO_ARGUMENTS = (KTOArguments, ModelArguments, TokenWeightedArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc kto`` and ``recipes/kto.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, KTO_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, KTO_ARGUMENTS, default_config(argv), argv=argv, prog=prog)

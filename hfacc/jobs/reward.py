@@ -165,7 +165,7 @@ def default_config(argv: Sequence[str]) -> Path | None:
 REWARD_ARGUMENTS = (RewardArguments, ModelArguments, TokenWeightedArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc reward`` and ``recipes/reward.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, REWARD_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, REWARD_ARGUMENTS, default_config(argv), argv=argv, prog=prog)

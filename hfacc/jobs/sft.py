@@ -192,7 +192,7 @@ def default_config(argv: Sequence[str]) -> Path | None:
 SFT_ARGUMENTS = (SFTArguments, ModelArguments, DataArguments, TokenWeightedArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc sft`` and ``recipes/sft.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, SFT_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, SFT_ARGUMENTS, default_config(argv), argv=argv, prog=prog)
