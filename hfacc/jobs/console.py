@@ -256,6 +256,17 @@ def use_console(trainer) -> None:
     trainer.add_callback(ConsoleCallback())
 
 
+def describe_run(model, args) -> str:
+    """The console's ``run`` line: the precision training computes in (autocast over the weights' dtype, as
+    accelerate runs it), the device and the world size, e.g. ``run    bf16 autocast, fp32 weights on cpu, world
+    size 2``."""
+    from ..ops.precision import dtype_name, get_training_autocast, get_weights_dtype
+
+    weights, autocast = dtype_name(get_weights_dtype(model)), get_training_autocast(args)
+    precision = f"{dtype_name(autocast)} autocast, {weights} weights" if autocast is not None else weights
+    return f"run    {precision} on {args.device}, world size {args.world_size}"
+
+
 def write(text: str, file=None) -> None:
     """Print a line without breaking a progress bar (stdout by default)."""
     tqdm.write(text, file=file or sys.stdout)

@@ -36,7 +36,7 @@ from ..ops.precision import get_training_autocast
 from ..runtime.config import ConfigError, get_default_config
 from ..training.distill_trainer import DistillationArguments, DistillationTrainer
 from ..training.trainer import TokenWeightedTrainer
-from .console import run_recipe, setup_console, use_console, write
+from .console import describe_run, run_recipe, setup_console, use_console, write
 from .grpo import run_short_sft
 from .report import save_loss_curve, write_json
 
@@ -145,6 +145,7 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
         size = lambda m: sum(p.numel() for p in m.parameters()) / 1e6  # noqa: E731
         write(f"teacher {type(teacher).__name__}, {size(teacher):.1f}M parameters, {teacher_source}")
         write(f"student {type(student).__name__}, {size(student):.1f}M parameters")
+        write(describe_run(student, args))
         write(f"data    {len(train_ds):,} training / {len(eval_ds):,} held-out examples")
         where = f"stored top-{job.teacher_top_k}" if job.precompute_teacher_logprobs else "the teacher model"
         on_policy = f", lmbda {args.lmbda} (on-policy)" if args.lmbda > 0 else ""

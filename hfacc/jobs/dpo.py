@@ -46,7 +46,7 @@ from ..runtime.config import ConfigError, get_default_config, parse_args
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
 from ..training.trainer import TokenWeightedTrainer
-from .console import run_recipe, setup_console, use_console, write
+from .console import describe_run, run_recipe, setup_console, use_console, write
 from .report import save_loss_curve, write_json
 
 logger = logging.getLogger(__name__)
@@ -252,6 +252,7 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
         write(
             f"model  {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, from {started_from}"
         )
+        write(describe_run(model, args))
         write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out pairs")
         write(describe_batch(args, "pairs"))
         write(

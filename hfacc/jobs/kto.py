@@ -36,7 +36,7 @@ from ..runtime.config import get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
 from ..training.trainer import TokenWeightedTrainer
-from .console import run_recipe, setup_console, use_console, write
+from .console import describe_run, run_recipe, setup_console, use_console, write
 from .dpo import (
     RECIPES,
     ReferenceJobArguments,
@@ -124,6 +124,7 @@ def main(kto_args: KTOArguments, model_args: ModelArguments, args: TokenWeighted
     if trainer.is_world_process_zero():
         size = sum(p.numel() for p in model.parameters()) / 1e6
         write(f"model  {type(model).__name__}, {size:.1f}M parameters, from {started_from}")
+        write(describe_run(model, args))
         desirable = sum(train_ds["label"])
         write(f"data   {len(train_ds):,} training rows ({desirable:,} desirable) / {len(eval_ds):,} held-out rows")
         write(describe_batch(args, "rows"))

@@ -33,7 +33,7 @@ from ..runtime.config import get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
 from ..training.trainer import TokenWeightedTrainer
-from .console import run_recipe, setup_console, use_console, write
+from .console import describe_run, run_recipe, setup_console, use_console, write
 from .dpo import (
     RECIPES,
     PreferenceJobArguments,
@@ -106,6 +106,7 @@ def main(reward_args: RewardArguments, model_args: ModelArguments, args: TokenWe
     if trainer.is_world_process_zero():
         size = sum(p.numel() for p in model.parameters()) / 1e6
         write(f"model  {type(model).__name__} (num_labels=1), {size:.1f}M parameters, from {started_from}")
+        write(describe_run(model, args))
         margins = " (with margins)" if "margin" in train_ds.column_names else ""
         write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out pairs{margins}")
         write(describe_batch(args, "pairs"))

@@ -32,7 +32,7 @@ from ..runtime.config import ConfigError, get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import get_run_settings, prepare_run
 from ..training.trainer import TokenWeightedTrainer
-from .console import run_recipe, setup_console, use_console, write
+from .console import describe_run, run_recipe, setup_console, use_console, write
 from .report import save_loss_curve, write_json
 
 # The shipped configs live with the recipe; this module runs from a clone of the repository or an editable install.
@@ -86,6 +86,7 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         if args.max_tokens_per_batch:
             micro = f"up to {args.max_tokens_per_batch:,} tokens"
         write(f"model  {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+        write(describe_run(model, args))
         size = f"{len(train_ds):,}" if hasattr(train_ds, "__len__") else "streamed"  # a stream has no length
         write(f"data   {size} training / {len(eval_ds):,} held-out examples")
         write(f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)")

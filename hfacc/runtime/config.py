@@ -251,11 +251,10 @@ def parse_args(
     namespace, remaining = parser.parse_known_args(_apply_trl_names(args, known))
     if remaining:
         options = [o for o in parser._option_string_actions if o.startswith("--")]
-        shown = []
-        for arg in remaining:
-            close = get_close_name(arg.split("=", 1)[0], options) if arg.startswith("--") else None
-            shown.append(f"{arg} (did you mean {close}?)" if close else arg)
-        raise ConfigError(f"unknown argument(s): {' '.join(shown)}. Run with --help for the settings.")
+        flags = [a.split("=", 1)[0] for a in remaining if a.startswith("--")]
+        close = [c for c in (get_close_name(flag, options) for flag in flags) if c]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ConfigError(f"unknown argument(s): {' '.join(remaining)}{hint}. Run with --help for the settings.")
     outputs = []
     values = vars(namespace)
     for cls in dataclass_types:
