@@ -55,9 +55,7 @@ JOBS = ("sft", "dpo", "reward", "kto", "grpo", "distill")  # each one's `cli` is
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
-        from . import __version__
-
-        print(f"hfacc {__version__}")
+        print(f"hfacc {sys.modules[__package__].__version__}")  # the package is imported: cli.py is in it
         return 0
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: hfacc <command> [--help] [--config FILE.yaml] [--setting VALUE ...]\n\ncommands:")
