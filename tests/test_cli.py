@@ -33,6 +33,17 @@ def test_import_hfacc_loads_no_module_until_a_name_is_used():
     assert hfacc.DPOObjective.__module__ == "hfacc.objectives.preference"
 
 
+def test_help_imports_no_trainer_and_no_datasets():
+    """`hfacc dpo --help` needs the settings' dataclasses, not the Trainer or datasets (a second or more)."""
+    code = (
+        "import sys\nfrom hfacc.cli import main\ntry:\n    main(['dpo', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print([m for m in ('datasets', 'transformers.trainer', 'hfacc.training.trainer') if m in sys.modules])"
+    )
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0 and out.stdout.splitlines()[-1] == "[]", out.stderr[-2000:]
+
+
 def help_text(capsys, types, prog):
     with pytest.raises(SystemExit):
         parse_args(types, ["--help"], prog=prog)

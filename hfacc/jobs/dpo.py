@@ -45,7 +45,6 @@ from ..ops.precision import get_training_autocast
 from ..runtime.config import ConfigError, get_default_config, parse_args
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
-from ..training.trainer import TokenWeightedTrainer
 from .console import describe_run, run_recipe, setup_console, use_console, write
 from .report import save_loss_curve, write_json
 
@@ -238,6 +237,8 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
         ref_model=ref_model,
         gamma=dpo_args.simpo_gamma,
     )
+    from ..training.trainer import TokenWeightedTrainer  # the Trainer (and datasets): what only a run needs
+
     trainer = TokenWeightedTrainer(
         model=model,
         args=args,

@@ -35,7 +35,6 @@ from ..ops.precision import get_training_autocast
 from ..runtime.config import get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
-from ..training.trainer import TokenWeightedTrainer
 from .console import describe_run, run_recipe, setup_console, use_console, write
 from .dpo import (
     RECIPES,
@@ -111,6 +110,8 @@ def main(kto_args: KTOArguments, model_args: ModelArguments, args: TokenWeighted
         undesirable_weight=kto_args.undesirable_weight,
         ref_model=ref_model,
     )
+    from ..training.trainer import TokenWeightedTrainer  # the Trainer (and datasets): what only a run needs
+
     trainer = TokenWeightedTrainer(
         model=model,
         args=args,

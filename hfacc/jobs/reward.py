@@ -32,7 +32,6 @@ from ..objectives.reward import RewardObjective
 from ..runtime.config import get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
-from ..training.trainer import TokenWeightedTrainer
 from .console import describe_run, run_recipe, setup_console, use_console, write
 from .dpo import (
     RECIPES,
@@ -93,6 +92,8 @@ def main(reward_args: RewardArguments, model_args: ModelArguments, args: TokenWe
     with args.main_process_first(desc="dataset tokenization"):
         train_ds = build_preference_dataset(raw_train, tokenizer, **options)
         eval_ds = build_preference_dataset(raw_eval, tokenizer, **options)
+    from ..training.trainer import TokenWeightedTrainer  # the Trainer (and datasets): what only a run needs
+
     trainer = TokenWeightedTrainer(
         model=model,
         args=args,

@@ -31,7 +31,6 @@ from ..models.loading import ModelArguments, load_model_and_tokenizer
 from ..runtime.config import ConfigError, get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import get_run_settings, prepare_run
-from ..training.trainer import TokenWeightedTrainer
 from .console import describe_run, run_recipe, setup_console, use_console, write
 from .report import save_loss_curve, write_json
 
@@ -72,6 +71,8 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         collator = DataCollatorForVisionLM(tokenizer, pad_to_multiple_of=sft_args.pad_to_multiple_of)
     else:
         collator = DataCollatorForCausalLM(tokenizer.pad_token_id, pad_to_multiple_of=sft_args.pad_to_multiple_of)
+    from ..training.trainer import TokenWeightedTrainer  # the Trainer (and datasets): what only a run needs
+
     trainer = TokenWeightedTrainer(
         model=model,
         args=args,
