@@ -21,87 +21,96 @@ layout) -> objectives -> ops. Every public name is importable from ``hfacc`` its
 are for readers of the code, not a second API.
 """
 
-from .data.batching import TokenBudgetBatchSampler, pack_dataset, pack_examples
-from .data.collator import DataCollatorForCausalLM
-from .data.embedded import (
-    build_default_model,
-    build_default_tokenizer,
-    build_tiny_llama,
-    generate_instruction_examples,
-)
-from .data.embedded_vision import build_tiny_vlm, generate_shape_examples
-from .data.formats import render_mask
-from .data.preference import DataCollatorForPreference, DataCollatorForUnpairedPreference, build_preference_dataset
-from .data.sft import DataArguments, build_sft_dataset
-from .data.sources import load_sft_source
-from .data.vision import DataCollatorForVisionLM, get_processor
-from .generation.engine import GenerationEngine, TransformersEngine
-from .generation.evaluation import generate_answers
-from .generation.vllm_engine import VLLMArguments, VLLMEngine, build_generation_engine
-from .models.loading import (
-    ModelArguments,
-    apply_lora,
-    as_reward_model,
-    get_tokenizer,
-    load_causal_lm,
-    load_reward_model,
-)
-from .models.reference import precompute_reference_logps
-from .models.teacher import precompute_teacher_logprobs
-from .objectives import (
-    CausalLMObjective,
-    DistillationObjective,
-    DPOObjective,
-    FunctionObjective,
-    KTOObjective,
-    LossFunctionObjective,
-    ModelLossObjective,
-    MultiLabelObjective,
-    Objective,
-    PolicyGradientObjective,
-    RegressionObjective,
-    RewardObjective,
-    SequenceClassificationObjective,
-    SetupContext,
-    TokenObjective,
-    get_objective,
-)
-from .ops.loss import (
-    IGNORE_INDEX,
-    LossSums,
-    WindowCounts,
-    binary_cross_entropy_sums,
-    causal_lm_sums,
-    count_targets,
-    cross_entropy_sums,
-    normalize_window_loss,
-    shift_labels,
-    squared_error_sums,
-)
-from .runtime.distributed import get_gradient_scale
-from .runtime.memory import peak_memory
-from .training.accumulation import MicroBatch, accumulation_window, iter_windows
-from .training.arguments import TokenWeightedArguments
-from .training.audit import AccumulationAuditCallback
-from .training.distill_trainer import DistillationArguments, DistillationTrainer
-from .training.grpo_trainer import GRPOArguments, GRPOTrainer
-from .training.step_gate import NonFiniteLossError
-from .training.trainer import TokenWeightedTrainer
-from .training.trl_trainers import (
-    DistillationConfig,
-    DPOConfig,
-    DPOTrainer,
-    GRPOConfig,
-    KTOConfig,
-    KTOTrainer,
-    RewardConfig,
-    RewardTrainer,
-    SFTConfig,
-    SFTTrainer,
-)
-from .verify.equivalence import verify_accumulation
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
+
+# Where each public name lives. `import hfacc` imports none of them: a name is imported on first use (PEP 562),
+# so `import hfacc` and `hfacc <command> --help` do not pay for torch models, datasets and the Trainer.
+_LOCATIONS: dict[str, tuple[str, ...]] = {
+    "data.batching": ("TokenBudgetBatchSampler", "pack_dataset", "pack_examples"),
+    "data.collator": ("DataCollatorForCausalLM",),
+    "data.embedded": (
+        "build_default_model",
+        "build_default_tokenizer",
+        "build_tiny_llama",
+        "generate_instruction_examples",
+    ),
+    "data.embedded_vision": ("build_tiny_vlm", "generate_shape_examples"),
+    "data.formats": ("render_mask",),
+    "data.preference": ("DataCollatorForPreference", "DataCollatorForUnpairedPreference", "build_preference_dataset"),
+    "data.sft": ("DataArguments", "build_sft_dataset"),
+    "data.sources": ("load_sft_source",),
+    "data.vision": ("DataCollatorForVisionLM", "get_processor"),
+    "generation.engine": ("GenerationEngine", "TransformersEngine"),
+    "generation.evaluation": ("generate_answers",),
+    "generation.vllm_engine": ("VLLMArguments", "VLLMEngine", "build_generation_engine"),
+    "models.loading": (
+        "ModelArguments",
+        "apply_lora",
+        "as_reward_model",
+        "get_tokenizer",
+        "load_causal_lm",
+        "load_reward_model",
+    ),
+    "models.reference": ("precompute_reference_logps",),
+    "models.teacher": ("precompute_teacher_logprobs",),
+    "objectives": (
+        "CausalLMObjective",
+        "DistillationObjective",
+        "DPOObjective",
+        "FunctionObjective",
+        "KTOObjective",
+        "LossFunctionObjective",
+        "ModelLossObjective",
+        "MultiLabelObjective",
+        "Objective",
+        "PolicyGradientObjective",
+        "RegressionObjective",
+        "RewardObjective",
+        "SequenceClassificationObjective",
+        "SetupContext",
+        "TokenObjective",
+        "get_objective",
+    ),
+    "ops.loss": (
+        "IGNORE_INDEX",
+        "LossSums",
+        "WindowCounts",
+        "binary_cross_entropy_sums",
+        "causal_lm_sums",
+        "count_targets",
+        "cross_entropy_sums",
+        "normalize_window_loss",
+        "shift_labels",
+        "squared_error_sums",
+    ),
+    "runtime.distributed": ("get_gradient_scale",),
+    "runtime.memory": ("peak_memory",),
+    "training.accumulation": ("MicroBatch", "accumulation_window", "iter_windows"),
+    "training.arguments": ("TokenWeightedArguments",),
+    "training.audit": ("AccumulationAuditCallback",),
+    "training.distill_trainer": ("DistillationArguments", "DistillationTrainer"),
+    "training.grpo_trainer": ("GRPOArguments", "GRPOTrainer"),
+    "training.step_gate": ("NonFiniteLossError",),
+    "training.trainer": ("TokenWeightedTrainer",),
+    "training.trl_trainers": (
+        "DistillationConfig",
+        "DPOConfig",
+        "DPOTrainer",
+        "GRPOConfig",
+        "KTOConfig",
+        "KTOTrainer",
+        "RewardConfig",
+        "RewardTrainer",
+        "SFTConfig",
+        "SFTTrainer",
+    ),
+    "verify.equivalence": ("verify_accumulation",),
+}
+_MODULE_OF = {name: module for module, names in _LOCATIONS.items() for name in names}
 
 # What README users import from `hfacc`; tests/test_docs.py checks that each name is here and importable.
 __all__ = [
@@ -204,3 +213,22 @@ __all__ = [
     "verify_accumulation",
     "AccumulationAuditCallback",
 ]
+
+
+def __getattr__(name: str):
+    """``hfacc.X``: import X's module on first use (and keep X here, so the next lookup is a plain attribute)."""
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module(f".{_MODULE_OF[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_"):  # a folder: hfacc.data, hfacc.training, ... as after `import hfacc.data`
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -22,6 +22,8 @@ traceback).
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -47,38 +49,29 @@ class ShowMaskArguments:
     color: bool = field(default=True, metadata={"help": "Highlight with ANSI colors (False: wrap in [[ ]])."})
 
 
+JOBS = ("sft", "dpo", "reward", "kto", "grpo", "distill")  # each one's `cli` is in hfacc/jobs/<name>.py
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: hfacc {" + ",".join(COMMANDS) + "} [--help] [settings]\n")
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"hfacc {sys.modules[__package__].__version__}")  # the package is imported: cli.py is in it
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: hfacc <command> [--help] [--config FILE.yaml] [--setting VALUE ...]\n\ncommands:")
         for name, text in COMMANDS.items():
             print(f"  {name:10s} {text}")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        print("\nhfacc <command> --help lists the command's settings; hfacc --version prints the version.")
+        return 0 if argv else 2
     command, rest = argv[0], argv[1:]
-    if command == "sft":  # the recipe's own entry point: it sets up its console and its user errors itself
-        from .jobs.sft import cli
-
-        return cli(rest)
-    if command == "dpo":
-        from .jobs.dpo import cli as dpo_cli
-
-        return dpo_cli(rest)
-    if command == "reward":
-        from .jobs.reward import cli as reward_cli
-
-        return reward_cli(rest)
-    if command == "kto":
-        from .jobs.kto import cli as kto_cli
-
-        return kto_cli(rest)
-    if command == "grpo":
-        from .jobs.grpo import cli as grpo_cli
-
-        return grpo_cli(rest)
-    if command == "distill":
-        from .jobs.distill import cli as distill_cli
-
-        return distill_cli(rest)
+    if command not in COMMANDS:  # one line, not the list: the list is --help
+        close = difflib.get_close_matches(command, list(COMMANDS), n=1, cutoff=0.6)
+        hint = f" Did you mean '{close[0]}'?" if close else f" Commands: {', '.join(COMMANDS)}."
+        print(f"error: hfacc has no command '{command}'.{hint} (hfacc --help lists them)", file=sys.stderr)
+        return 2
+    if command in JOBS:  # the recipe's own entry point: it sets up its console and its user errors itself
+        job = importlib.import_module(f".jobs.{command}", __package__)
+        return job.cli(rest, prog=f"hfacc {command}")
     from .jobs.console import pop_debug_flag, setup_console, user_errors
 
     setup_console()  # warnings as plain lines; no bars for the handful of rows these commands tokenize

@@ -296,11 +296,11 @@ def test_the_recipe_console_is_a_bar_eval_lines_and_the_summary(tmp_path):
     proc = run_command(*cmd)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("model  LlamaForCausalLM, ") and lines[1].startswith(
-        "data   228 training / 12 held-out"
-    )
-    assert lines[2] == "batch  4 sequences x 2 micro-batches x 1 process(es)"
-    assert lines[3].startswith("eval   before training loss ")
+    assert lines[0].startswith("model  LlamaForCausalLM, ")
+    assert lines[1] == "run    fp32 on cpu, world size 1"  # the precision that runs, the device, the world size
+    assert lines[2].startswith("data   228 training / 12 held-out")
+    assert lines[3] == "batch  4 sequences x 2 micro-batches x 1 process(es)"
+    assert lines[4].startswith("eval   before training loss ")
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1/4", "2/4", "3/4", "4/4"]
     # steps 2 and 4; the recipe reuses the Trainer's evaluation of the last step instead of evaluating again
     assert [line.split()[2] for line in lines if line.startswith("eval   step ")] == ["2", "4"]

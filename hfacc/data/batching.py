@@ -10,9 +10,9 @@ from __future__ import annotations
 import bisect
 import logging
 import random
+import sys
 from collections.abc import Iterator, Sequence
 
-import datasets
 from torch.utils.data import DataLoader, Sampler
 
 from ..ops.loss import IGNORE_INDEX
@@ -20,6 +20,13 @@ from .collator import TEACHER_COLUMNS
 from .multimodal import IMAGE_COLUMN
 
 logger = logging.getLogger(__name__)
+
+
+def is_map_dataset(dataset) -> bool:
+    """Whether ``dataset`` is a map-style ``datasets.Dataset``, without importing ``datasets`` (a second to import:
+    ``hfacc <command> --help`` needs none of it); an object of that class exists only once it is imported."""
+    module = sys.modules.get("datasets")
+    return module is not None and isinstance(dataset, module.Dataset)
 
 
 class TokenBudgetBatchSampler(Sampler[list[int]]):
@@ -233,7 +240,7 @@ def get_longest_sequence(dataset) -> int:
     length came from the first micro-batch alone, so a resumed run, whose first micro-batch is another, laid out
     later rows otherwise than the uninterrupted run (rel 5e-9 on 2 ranks instead of bit for bit).
     """
-    if not isinstance(dataset, datasets.Dataset) or len(dataset) == 0:
+    if not is_map_dataset(dataset) or len(dataset) == 0:
         return 0
     columns = [c for c in dataset.column_names if c == "input_ids" or c.endswith("_input_ids")]
     if not columns:
@@ -283,6 +290,6 @@ def get_example_lengths(dataset, collator=None) -> list[int]:
     measure = getattr(getattr(collator, "data_collator", collator), "example_length", None)
     if measure is not None:
         return [measure(e) for e in dataset]
-    if isinstance(dataset, datasets.Dataset):
+    if is_map_dataset(dataset):
         return [len(x) for x in dataset["input_ids"]]
     return [len(e["input_ids"]) for e in dataset]

@@ -36,7 +36,7 @@ import torch
 from ..ops.loss import IGNORE_INDEX, count_example_targets
 from .collator import _pad
 from .formats import DataError, _is_conversation, _string, encode_row, log_masking, normalize_messages, normalize_tools
-from .sources import LOCAL_FORMATS, SOURCE_ROW, _pick_splits
+from .sources import LOCAL_FORMATS, SOURCE_ROW, _pick_splits, get_local_data_files
 from .streaming import SFTStream, _worth_saying
 
 logger = logging.getLogger(__name__)
@@ -468,7 +468,7 @@ def check_preference_columns(columns: Sequence[str]) -> None:
     if missing:
         hint = ""
         if "messages" in columns or "completion" in columns:
-            hint = " That looks like SFT data: build it with hfacc.build_sft_dataset instead."
+            hint = " That looks like SFT data: train on it with `hfacc sft` (in Python: hfacc.build_sft_dataset)."
         raise DataError(
             f"A preference dataset needs the columns 'chosen' and 'rejected' (and 'prompt', TRL's names); it has "
             f"{sorted(columns)}, missing {missing}.{hint}"
@@ -529,9 +529,8 @@ def load_preference_source(
     import datasets
 
     path = Path(name_or_path)
+    get_local_data_files(name_or_path)  # a missing or mistyped file is said here, not looked up on the Hub
     if path.suffix in LOCAL_FORMATS:
-        if not path.is_file():
-            raise DataError(f"dataset {name_or_path}: no such file.")
         if path.suffix == ".jsonl":
             check_jsonl_pairs(path)
         try:
@@ -568,8 +567,11 @@ def check_jsonl_pairs(path: Path) -> None:
                 row = json.loads(line)
             except ValueError as err:
                 raise DataError(f"{path}: line {number} is not valid JSON ({err}).") from err
-            if number == 1 and isinstance(row, Mapping) and is_unpaired(list(row)):
-                required = UNPAIRED_COLUMNS
+            if number == 1 and isinstance(row, Mapping):  # the columns first: another method's data is said so
+                if is_unpaired(list(row)):
+                    required = UNPAIRED_COLUMNS
+                else:
+                    check_preference_columns(list(row))
             missing = [c for c in required if not isinstance(row, Mapping) or c not in row]
             if missing:
                 raise DataError(f"row {number - 1} (line {number} of {path.name}): no field {missing[0]!r}.")

@@ -3,6 +3,7 @@ embedded default; and the train/held-out split."""
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -118,13 +119,47 @@ def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists())
 
 
+# What a data file's name ends with, read or not (a folder of these, or one hfacc cannot read, is said by name).
+DATA_SUFFIXES = (*LOCAL_FORMATS, ".txt", ".tsv", ".arrow", ".gz", ".zip", ".xlsx")
+
+
+def looks_like_a_file(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is meant as a local path rather than a Hub id (``owner/name``): it starts like a path
+    (``./``, ``../``, ``/``, ``~``), has more than one separator, ends with a data file's suffix or one close to it
+    (``.jsnol``), or is close to the name of a file beside it (``prefs.jsonl`` for ``pref.jsonl``).
+
+    >>> [looks_like_a_file(n) for n in ("trl-lib/ultrafeedback_binarized", "prefs.jsnol", "./data", "a/b/c")]
+    [False, True, True, True]
+    """
+    path = Path(name_or_path)
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1 or "\\" in name_or_path:
+        return True
+    suffix = path.suffix.lower()
+    if suffix and difflib.get_close_matches(suffix, DATA_SUFFIXES, n=1, cutoff=0.6):
+        return True
+    return get_close_file(path) is not None
+
+
+def get_close_file(path: Path) -> str | None:
+    """The file or folder beside ``path`` whose name is closest to its name (difflib, close matches only), else None."""
+    folder = path.parent
+    try:
+        names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    except OSError:
+        return None
+    close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.8)
+    return str(folder / close[0]) if close else None
+
+
 def get_local_data_files(name_or_path: str) -> list[Path]:
     """The local data files ``name_or_path`` stands for: itself (a .json/.jsonl/.csv/.parquet file), the data files
     of a folder (not a ``save_to_disk`` one), or none (a hub name). A DataError for what hfacc cannot read."""
     path = Path(name_or_path)
+    if not path.exists() and looks_like_a_file(name_or_path):  # a mistyped file is no Hub dataset: say so here
+        close = get_close_file(path)
+        hint = f" Did you mean {close}?" if close else ""
+        raise DataError(f"dataset {name_or_path}: no such file.{hint}")
     if path.suffix in LOCAL_FORMATS:
-        if not path.is_file():
-            raise DataError(f"dataset {name_or_path}: no such file.")
         return [path]
     if path.is_file():
         raise DataError(

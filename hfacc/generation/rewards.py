@@ -167,14 +167,41 @@ def get_reward_funcs(names: Sequence[str]) -> list[Callable]:
         module, sep, attr = name.partition(":") if ":" in name else name.rpartition(".")
         if not (module and attr):
             raise DataError(f"reward function {name!r}: use one of {sorted(REWARDS)} or 'module:function'.")
-        try:
-            func = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as err:
-            raise DataError(f"reward function {name!r} cannot be imported ({err}).") from err
+        func = _import_reward_function(name, module, attr)
         if not callable(func):
             raise DataError(f"reward function {name!r} is not callable.")
         funcs.append(func)
     return funcs
+
+
+def _import_reward_function(name: str, module: str, attr: str):
+    """``module.attr``, or a DataError that says what failed: the module not on the path (with the PYTHONPATH
+    fix: the ``hfacc`` command and ``accelerate launch`` do not put the current folder on it), the module's own
+    imports, or no such function in it."""
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if err.name is not None and module.startswith(err.name):  # the module itself (or its package) is not found
+            top = module.split(".")[0]
+            here = [p for p in (Path(f"{top}.py"), Path(top)) if p.exists()]
+            detail = (
+                f"{here[0]} is in this folder, which is not on the path"
+                if here
+                else "it is not installed, and no folder on the path holds it"
+            )
+            raise DataError(
+                f"reward function {name!r}: no module {module!r} on the Python path ({detail}). Run with "
+                f"PYTHONPATH set to the folder that holds {top}.py, e.g. PYTHONPATH=. hfacc grpo ..."
+            ) from err
+        raise DataError(f"reward function {name!r}: its module {module!r} does not import: {err}.") from err
+    except Exception as err:  # an error inside the user's module: its own message says what
+        raise DataError(f"reward function {name!r}: importing {module!r} failed: {type(err).__name__}: {err}") from err
+    if not hasattr(loaded, attr):
+        names = [n for n in dir(loaded) if not n.startswith("_") and callable(getattr(loaded, n))]
+        close = difflib.get_close_matches(attr, names, n=1)
+        hint = f" Did you mean {module}:{close[0]}?" if close else ""
+        raise DataError(f"reward function {name!r}: module {module!r} has no {attr!r}.{hint}")
+    return getattr(loaded, attr)
 
 
 __all__ = [

@@ -116,16 +116,21 @@ def user_errors(debug: bool = False) -> Iterator[_Guard]:
 
 
 def run_recipe(
-    main: Callable, dataclass_types: Sequence[type], default_config: str | Path | None = None, argv=None
+    main: Callable,
+    dataclass_types: Sequence[type],
+    default_config: str | Path | None = None,
+    argv=None,
+    prog: str | None = None,
 ) -> int:
     """Parse the settings of ``dataclass_types`` (YAML + flags) and call ``main(*settings)``, with clean errors.
 
-    A recipe's ``__main__`` is ``sys.exit(run_recipe(main, [...], default_config))``. Returns 0; user errors exit
+    A recipe's ``__main__`` is ``sys.exit(run_recipe(main, [...], default_config))``; ``prog`` is the command
+    ``--help`` names (``hfacc dpo``; default: the script's name). Returns 0; user errors exit
     with code 2 and one message (see :func:`user_errors`); ``--debug`` or ``HFACC_DEBUG=1`` shows tracebacks.
     """
     debug, argv = pop_debug_flag(sys.argv[1:] if argv is None else argv)
     with user_errors(debug) as guard:
-        guard.settings = parse_args(dataclass_types, argv, default_config=default_config)
+        guard.settings = parse_args(dataclass_types, argv, default_config=default_config, prog=prog)
         main(*guard.settings)
     return 0
 
@@ -249,6 +254,17 @@ def use_console(trainer) -> None:
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(ConsoleCallback())
+
+
+def describe_run(model, args) -> str:
+    """The console's ``run`` line: the precision training computes in (autocast over the weights' dtype, as
+    accelerate runs it), the device and the world size, e.g. ``run    bf16 autocast, fp32 weights on cpu, world
+    size 2``."""
+    from ..ops.precision import dtype_name, get_training_autocast, get_weights_dtype
+
+    weights, autocast = dtype_name(get_weights_dtype(model)), get_training_autocast(args)
+    precision = f"{dtype_name(autocast)} autocast, {weights} weights" if autocast is not None else weights
+    return f"run    {precision} on {args.device}, world size {args.world_size}"
 
 
 def write(text: str, file=None) -> None:

@@ -36,7 +36,7 @@ from ..ops.precision import get_training_autocast
 from ..runtime.config import ConfigError, get_default_config
 from ..training.distill_trainer import DistillationArguments, DistillationTrainer
 from ..training.trainer import TokenWeightedTrainer
-from .console import run_recipe, setup_console, use_console, write
+from .console import describe_run, run_recipe, setup_console, use_console, write
 from .grpo import run_short_sft
 from .report import save_loss_curve, write_json
 
@@ -145,6 +145,7 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
         size = lambda m: sum(p.numel() for p in m.parameters()) / 1e6  # noqa: E731
         write(f"teacher {type(teacher).__name__}, {size(teacher):.1f}M parameters, {teacher_source}")
         write(f"student {type(student).__name__}, {size(student):.1f}M parameters")
+        write(describe_run(student, args))
         write(f"data    {len(train_ds):,} training / {len(eval_ds):,} held-out examples")
         where = f"stored top-{job.teacher_top_k}" if job.precompute_teacher_logprobs else "the teacher model"
         on_policy = f", lmbda {args.lmbda} (on-policy)" if args.lmbda > 0 else ""
@@ -276,10 +277,10 @@ def default_config(argv: Sequence[str]) -> Path | None:
 DISTILL_ARGUMENTS = (DistillJobArguments, ModelArguments, DataArguments, DistillationArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc distill`` and ``recipes/distill.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, DISTILL_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, DISTILL_ARGUMENTS, default_config(argv), argv=argv, prog=prog)
 
 
 __all__ = ["DistillJobArguments", "DISTILL_ARGUMENTS", "main", "cli", "default_config", "DEFAULT_CONFIG"]

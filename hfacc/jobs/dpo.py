@@ -45,8 +45,7 @@ from ..ops.precision import get_training_autocast
 from ..runtime.config import ConfigError, get_default_config, parse_args
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
-from ..training.trainer import TokenWeightedTrainer
-from .console import run_recipe, setup_console, use_console, write
+from .console import describe_run, run_recipe, setup_console, use_console, write
 from .report import save_loss_curve, write_json
 
 logger = logging.getLogger(__name__)
@@ -238,6 +237,8 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
         ref_model=ref_model,
         gamma=dpo_args.simpo_gamma,
     )
+    from ..training.trainer import TokenWeightedTrainer  # the Trainer (and datasets): what only a run needs
+
     trainer = TokenWeightedTrainer(
         model=model,
         args=args,
@@ -252,6 +253,7 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
         write(
             f"model  {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, from {started_from}"
         )
+        write(describe_run(model, args))
         write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out pairs")
         write(describe_batch(args, "pairs"))
         write(
@@ -587,7 +589,7 @@ def default_config(argv: Sequence[str]) -> Path | None:
 DPO_ARGUMENTS = (DPOArguments, ModelArguments, TokenWeightedArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc dpo`` and ``recipes/dpo.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, DPO_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, DPO_ARGUMENTS, default_config(argv), argv=argv, prog=prog)

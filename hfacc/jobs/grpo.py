@@ -32,7 +32,7 @@ from ..generation.rollout import SamplingSettings, build_rollout, is_conversatio
 from ..models.loading import ModelArguments, load_model_and_tokenizer
 from ..runtime.config import get_default_config, parse_args
 from ..training.grpo_trainer import GRPOArguments, GRPOTrainer, check_reward_weights
-from .console import run_recipe, setup_console, use_console, write
+from .console import describe_run, run_recipe, setup_console, use_console, write
 from .report import save_reward_curve, write_json
 
 # The shipped configs live with the recipes; this module runs from a clone of the repository or an editable install.
@@ -133,6 +133,7 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
         write(
             f"policy {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {source}"
         )
+        write(describe_run(model, args))
         write(
             f"data   {len(train_prompts):,} prompts / {len(eval_prompts):,} held out; rewards {', '.join(job.reward_funcs)}"
         )
@@ -390,10 +391,10 @@ def default_config(argv: Sequence[str]) -> Path | None:
 GRPO_ARGUMENTS = (GRPOJobArguments, ModelArguments, GRPOArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc grpo`` and ``recipes/grpo.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, GRPO_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, GRPO_ARGUMENTS, default_config(argv), argv=argv, prog=prog)
 
 
 __all__ = ["GRPOJobArguments", "GRPO_ARGUMENTS", "main", "cli", "default_config", "DEFAULT_CONFIG"]

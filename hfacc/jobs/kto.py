@@ -35,8 +35,7 @@ from ..ops.precision import get_training_autocast
 from ..runtime.config import get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
-from ..training.trainer import TokenWeightedTrainer
-from .console import run_recipe, setup_console, use_console, write
+from .console import describe_run, run_recipe, setup_console, use_console, write
 from .dpo import (
     RECIPES,
     ReferenceJobArguments,
@@ -111,6 +110,8 @@ def main(kto_args: KTOArguments, model_args: ModelArguments, args: TokenWeighted
         undesirable_weight=kto_args.undesirable_weight,
         ref_model=ref_model,
     )
+    from ..training.trainer import TokenWeightedTrainer  # the Trainer (and datasets): what only a run needs
+
     trainer = TokenWeightedTrainer(
         model=model,
         args=args,
@@ -124,6 +125,7 @@ def main(kto_args: KTOArguments, model_args: ModelArguments, args: TokenWeighted
     if trainer.is_world_process_zero():
         size = sum(p.numel() for p in model.parameters()) / 1e6
         write(f"model  {type(model).__name__}, {size:.1f}M parameters, from {started_from}")
+        write(describe_run(model, args))
         desirable = sum(train_ds["label"])
         write(f"data   {len(train_ds):,} training rows ({desirable:,} desirable) / {len(eval_ds):,} held-out rows")
         write(describe_batch(args, "rows"))
@@ -211,7 +213,7 @@ def default_config(argv: Sequence[str]) -> Path | None:
 KTO_ARGUMENTS = (KTOArguments, ModelArguments, TokenWeightedArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc kto`` and ``recipes/kto.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, KTO_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, KTO_ARGUMENTS, default_config(argv), argv=argv, prog=prog)

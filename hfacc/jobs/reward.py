@@ -32,8 +32,7 @@ from ..objectives.reward import RewardObjective
 from ..runtime.config import get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import resolve_checkpoint
-from ..training.trainer import TokenWeightedTrainer
-from .console import run_recipe, setup_console, use_console, write
+from .console import describe_run, run_recipe, setup_console, use_console, write
 from .dpo import (
     RECIPES,
     PreferenceJobArguments,
@@ -93,6 +92,8 @@ def main(reward_args: RewardArguments, model_args: ModelArguments, args: TokenWe
     with args.main_process_first(desc="dataset tokenization"):
         train_ds = build_preference_dataset(raw_train, tokenizer, **options)
         eval_ds = build_preference_dataset(raw_eval, tokenizer, **options)
+    from ..training.trainer import TokenWeightedTrainer  # the Trainer (and datasets): what only a run needs
+
     trainer = TokenWeightedTrainer(
         model=model,
         args=args,
@@ -106,6 +107,7 @@ def main(reward_args: RewardArguments, model_args: ModelArguments, args: TokenWe
     if trainer.is_world_process_zero():
         size = sum(p.numel() for p in model.parameters()) / 1e6
         write(f"model  {type(model).__name__} (num_labels=1), {size:.1f}M parameters, from {started_from}")
+        write(describe_run(model, args))
         margins = " (with margins)" if "margin" in train_ds.column_names else ""
         write(f"data   {len(train_ds):,} training / {len(eval_ds):,} held-out pairs{margins}")
         write(describe_batch(args, "pairs"))
@@ -165,7 +167,7 @@ def default_config(argv: Sequence[str]) -> Path | None:
 REWARD_ARGUMENTS = (RewardArguments, ModelArguments, TokenWeightedArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc reward`` and ``recipes/reward.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, REWARD_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, REWARD_ARGUMENTS, default_config(argv), argv=argv, prog=prog)

@@ -31,8 +31,7 @@ from ..models.loading import ModelArguments, load_model_and_tokenizer
 from ..runtime.config import ConfigError, get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import get_run_settings, prepare_run
-from ..training.trainer import TokenWeightedTrainer
-from .console import run_recipe, setup_console, use_console, write
+from .console import describe_run, run_recipe, setup_console, use_console, write
 from .report import save_loss_curve, write_json
 
 # The shipped configs live with the recipe; this module runs from a clone of the repository or an editable install.
@@ -72,6 +71,8 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         collator = DataCollatorForVisionLM(tokenizer, pad_to_multiple_of=sft_args.pad_to_multiple_of)
     else:
         collator = DataCollatorForCausalLM(tokenizer.pad_token_id, pad_to_multiple_of=sft_args.pad_to_multiple_of)
+    from ..training.trainer import TokenWeightedTrainer  # the Trainer (and datasets): what only a run needs
+
     trainer = TokenWeightedTrainer(
         model=model,
         args=args,
@@ -86,6 +87,7 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         if args.max_tokens_per_batch:
             micro = f"up to {args.max_tokens_per_batch:,} tokens"
         write(f"model  {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+        write(describe_run(model, args))
         size = f"{len(train_ds):,}" if hasattr(train_ds, "__len__") else "streamed"  # a stream has no length
         write(f"data   {size} training / {len(eval_ds):,} held-out examples")
         write(f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)")
@@ -192,7 +194,7 @@ def default_config(argv: Sequence[str]) -> Path | None:
 SFT_ARGUMENTS = (SFTArguments, ModelArguments, DataArguments, TokenWeightedArguments)
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
+def cli(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     """Parse the command line (YAML + flags) and run :func:`main`: ``hfacc sft`` and ``recipes/sft.py``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_recipe(main, SFT_ARGUMENTS, default_config(argv), argv=argv)
+    return run_recipe(main, SFT_ARGUMENTS, default_config(argv), argv=argv, prog=prog)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -127,10 +128,18 @@ def _load_checked(
             model_class = AutoModelForCausalLM
             if is_vision_language_config(config):  # Qwen2.5-VL, Gemma 3, Idefics3, LLaVA, ...: image-text-to-text
                 from transformers import AutoModelForImageTextToText as model_class
-        model, info = model_class.from_pretrained(
-            name_or_path, dtype=dtype, use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True,
-            **kwargs,
-        )  # fmt: skip
+        with _held_load_report() as reports:
+            model, info = model_class.from_pretrained(
+                name_or_path, dtype=dtype, use_safetensors=True, ignore_mismatched_sizes=True, output_loading_info=True,
+                **kwargs,
+            )  # fmt: skip
+        # A causal LM loaded with a new head (a reward model from an SFT model) is what was asked: transformers'
+        # table of its MISSING head and UNEXPECTED lm_head is noise (the line below says it at INFO); any other report
+        # is shown as transformers wrote it.
+        expected = new_head + ("lm_head.",)
+        if not (new_head and all(k.startswith(expected) for k in [*info["missing_keys"], *info["unexpected_keys"]])):
+            for record in reports:
+                logging.getLogger(record.name).handle(record)
     except Exception as err:
         if not local or "trust_remote_code" in str(err):
             raise
@@ -162,6 +171,26 @@ def _load_checked(
     if new_head and info.get("missing_keys"):
         logger.info("hfacc: %s: a new score head (%s), initialized at random.", name_or_path, type(model).__name__)
     return model
+
+
+@contextlib.contextmanager
+def _held_load_report():
+    """Inside: transformers' weight-loading report (its "LOAD REPORT" table) is held back, not logged; the list of
+    held records is yielded, for the caller to log or drop."""
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            held.append(record)
+            return False
+        return True
+
+    source = logging.getLogger("transformers.modeling_utils")
+    source.addFilter(hold)
+    try:
+        yield held
+    finally:
+        source.removeFilter(hold)
 
 
 def _first_line(err: BaseException) -> str:

@@ -147,6 +147,11 @@ def validate_settings(args: TokenWeightedArguments) -> None:
             "auto_resume_from_checkpoints and overwrite_output_dir: a requeued run would delete its own checkpoints "
             "each time it starts; drop overwrite_output_dir (or choose a new output_dir to start afresh)."
         )
+    if args.fp16 and args.use_cpu:  # accelerate autocasts fp16 on GPUs only: on a CPU it trained fp32, silently
+        raise ValueError(
+            "fp16=True on a CPU: accelerate does not autocast fp16 there, so the run would train in fp32. Use "
+            "bf16=True (CPU autocast computes in bf16), or leave fp16 off (fp32), or run on a GPU."
+        )
     if args.max_skipped_steps < 0:
         raise ValueError("max_skipped_steps must be >= 0 (0 never stops training).")
     if args.learning_rate < 0:

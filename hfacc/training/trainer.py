@@ -23,13 +23,12 @@ from collections.abc import Iterator, Mapping
 from itertools import islice
 from typing import Any
 
-import datasets
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import has_length
 
-from ..data.batching import build_token_budget_loader, get_longest_sequence, is_packed
+from ..data.batching import build_token_budget_loader, get_longest_sequence, is_map_dataset, is_packed
 from ..data.collator import warn_about_padding_labels
 from ..data.multimodal import IMAGE_COLUMN
 from ..data.padding_free import padded_neftune_noise, remove_padding
@@ -174,7 +173,7 @@ class TokenWeightedTrainer(Trainer):
                 )
             return loader
         dataset, collator = self.train_dataset, self.data_collator
-        if isinstance(dataset, datasets.Dataset):
+        if is_map_dataset(dataset):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
