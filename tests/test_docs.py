@@ -371,3 +371,13 @@ def test_python_block_runs(block, tmp_path, monkeypatch):
         namespace["model_id"] = "tiny-model"
     code = compile(block[3], f"{block[0].name}:{block[1]}", "exec")
     exec(code, namespace)  # noqa: S102 - the docs' own code, run as a user would
+
+
+def test_the_readme_front_door_fits_the_first_screen():
+    """The install, main job and test blocks CI reads (.ci/run) end within README.md's first 80 lines."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    for name in ("install", "main", "test"):
+        marker = lines.index(f"<!-- ci:{name} -->")
+        assert lines[marker + 1].startswith("```"), name  # .ci/run reads the block right after the marker
+        end = next(i for i in range(marker + 2, len(lines)) if lines[i].startswith("```"))
+        assert end < 80, f"the {name} block ends at line {end + 1}"
