@@ -396,3 +396,32 @@ def test_hfacc_verify_objective_kto_fails_with_a_reference_point_per_micro_batch
     assert code == 1 and "FAIL" in out, out
     error = float(re.search(r"one big batch \(fp32\): relative error (\S+)", out).group(1))
     assert error > 1e-2, error
+
+
+def test_rows_without_a_label_are_refused_naming_label(tokenizer):
+    """A prompt and a completion but no 'label': the error names 'label' (KTO's column), not the pairs' 'chosen'."""
+    with pytest.raises(DataError, match="no 'label'") as refused:
+        build_preference_dataset(Dataset.from_list([{"prompt": "Q.", "completion": " A"}] * 2), tokenizer)
+    assert "chosen" not in str(refused.value)
+
+
+def test_unpaired_rows_given_the_pairs_collator_or_a_pairs_job_are_refused_by_name(tokenizer, tmp_path):
+    """Unpaired rows in DataCollatorForPreference (the trainer's first batch) or in the reward/DPO jobs' pair
+    building: one named error pointing at DataCollatorForUnpairedPreference / KTO, not KeyError 'chosen_input_ids'."""
+    from hfacc import DataCollatorForPreference, TokenWeightedTrainer, build_tiny_llama
+    from tests.helpers import train_args
+
+    rows = Dataset.from_list([{"prompt": f"Q{i}.", "completion": f" A{i}", "label": i % 2 == 0} for i in range(4)])
+    built = build_preference_dataset(rows, tokenizer)
+    model = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=16, num_layers=1, num_heads=2)
+    trainer = TokenWeightedTrainer(
+        model=model,
+        args=train_args(tmp_path, 2, 1, remove_unused_columns=False),
+        train_dataset=built,
+        data_collator=DataCollatorForPreference(tokenizer.pad_token_id),
+        objective=KTOObjective(),
+    )
+    with pytest.raises(DataError, match="unpaired \\(KTO\\) row. Use hfacc.DataCollatorForUnpairedPreference"):
+        next(iter(trainer.get_train_dataloader()))
+    with pytest.raises(DataError, match="These are unpaired rows \\(KTO's format\\): train them with KTO"):
+        build_preference_dataset(rows, tokenizer, unpaired=False)  # what `hfacc reward` / `hfacc dpo` now call

@@ -465,9 +465,20 @@ def get_kl_partners(prompt_keys: Sequence[int]) -> list[int]:
 def check_preference_columns(columns: Sequence[str]) -> None:
     """The columns a preference dataset needs (``chosen``, ``rejected``; ``prompt`` optional), with a fix."""
     missing = [c for c in SIDES if c not in columns]
+    if "completion" in columns and "label" not in columns and len(missing) == len(SIDES):
+        raise DataError(  # a completion without a label: unpaired (KTO) rows that lost their label, or SFT rows
+            f"These rows have {sorted(columns)} and no 'label': unpaired preference rows (KTO) need a boolean 'label' "
+            "column (true: a desirable completion, false: an undesirable one); add it. Without one they are SFT data: "
+            "train on them with `hfacc sft` (in Python: hfacc.build_sft_dataset)."
+        )
     if missing:
         hint = ""
-        if "messages" in columns or "completion" in columns:
+        if is_unpaired(columns):
+            hint = (
+                " These are unpaired rows (KTO's format): train them with KTO (hfacc kto, hfacc.KTOObjective with "
+                "hfacc.DataCollatorForUnpairedPreference), or give pairs of 'chosen' and 'rejected'."
+            )
+        elif "messages" in columns or "completion" in columns:
             hint = " That looks like SFT data: train on it with `hfacc sft` (in Python: hfacc.build_sft_dataset)."
         raise DataError(
             f"A preference dataset needs the columns 'chosen' and 'rejected' (and 'prompt', TRL's names); it has "
@@ -654,6 +665,18 @@ class DataCollatorForPreference:
     def __call__(self, examples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         if not examples:
             raise ValueError("Cannot collate an empty list of preference pairs.")
+        missing = [f"{side}_input_ids" for side in SIDES if f"{side}_input_ids" not in examples[0]]
+        if missing:  # without this, a KeyError: unpaired rows (KTO) reach the pairs' collator by mistake
+            unpaired = "completion_input_ids" in examples[0]
+            raise DataError(
+                f"DataCollatorForPreference collates pairs; this row has no {missing}"
+                + (
+                    ": it is an unpaired (KTO) row. Use hfacc.DataCollatorForUnpairedPreference with "
+                    "hfacc.KTOObjective for unpaired rows."
+                    if unpaired
+                    else f" (it has {sorted(examples[0])}). Build the rows with hfacc.build_preference_dataset."
+                )
+            )
         batch = pad_sequences(
             [e[f"{side}_input_ids"] for side in SIDES for e in examples],
             [e[f"{side}_labels"] for side in SIDES for e in examples],

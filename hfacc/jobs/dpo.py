@@ -211,7 +211,8 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
         model, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
         started_from = model_args.model_name_or_path
     raw_train, raw_eval, held_out = load_preference_rows(dpo_args, model, tokenizer, args, embedded)
-    options = dict(max_length=dpo_args.max_length, truncation=dpo_args.truncation)
+    # Pairs only: unpaired (KTO) rows are refused by name, not tokenized into rows the pairs' collator cannot read.
+    options = dict(max_length=dpo_args.max_length, truncation=dpo_args.truncation, unpaired=False)
     with args.main_process_first(desc="dataset tokenization"):
         train_ds = build_preference_dataset(raw_train, tokenizer, **options)
         eval_ds = build_preference_dataset(raw_eval, tokenizer, **options)

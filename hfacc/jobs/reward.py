@@ -88,7 +88,8 @@ def main(reward_args: RewardArguments, model_args: ModelArguments, args: TokenWe
             pad_token_id=tokenizer.pad_token_id,
         )
     model = apply_lora_settings(model, model_args, task_type="SEQ_CLS")  # --use_lora: the score head trains whole
-    options = dict(max_length=reward_args.max_length, truncation=reward_args.truncation)
+    # Pairs only: unpaired (KTO) rows are refused by name, not tokenized into rows the pairs' collator cannot read.
+    options = dict(max_length=reward_args.max_length, truncation=reward_args.truncation, unpaired=False)
     with args.main_process_first(desc="dataset tokenization"):
         train_ds = build_preference_dataset(raw_train, tokenizer, **options)
         eval_ds = build_preference_dataset(raw_eval, tokenizer, **options)
