@@ -551,3 +551,16 @@ def test_a_teacher_folder_with_another_tokenizer_is_one_error(tmp_path):
     tokenizer(["an entirely different corpus gives other merges, other ids"] * 20).save_pretrained(tmp_path / "other")
     with pytest.raises(ConfigError, match="its tokenizer has another vocabulary than the student's"):
         check_teacher_tokenizer(str(tmp_path / "other"), mine)
+
+
+def test_hfacc_distill_refuses_a_stored_top_k_above_the_vocabulary_before_training(capsys, tmp_path):
+    """`--teacher_top_k` larger than the tokenizer: one error line (exit 2) naming the setting and the largest K, as
+    soon as the tokenizer is known (before the teacher's SFT or the precomputation), not a ValueError traceback."""
+    from hfacc.cli import main as cli_main
+
+    argv = ["distill", "--precompute_teacher_logprobs", "true", "--teacher_top_k", "100000"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main([*argv, "--output_dir", str(tmp_path), "--teacher_sft_max_steps", "1", "--disable_tqdm", "true"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "error: teacher_top_k=100000 exceeds the vocabulary" in err, err
+    assert "Traceback" not in err and "--teacher_top_k " in err

@@ -109,6 +109,11 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
             "only; for your prompts use hfacc.DistillationTrainer (docs/distillation.md), or set --lmbda 0."
         )
     student, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
+    if job.precompute_teacher_logprobs and job.teacher_top_k > len(tokenizer):  # before the teacher loads or trains
+        raise ConfigError(
+            f"teacher_top_k={job.teacher_top_k} exceeds the vocabulary ({len(tokenizer)} tokens): a row cannot store "
+            f"more log-probs than there are tokens. Set --teacher_top_k {len(tokenizer)} or lower."
+        )
     teacher, teacher_source = load_teacher(job, model_args, data_args, args, tokenizer)
     with args.main_process_first(desc="dataset tokenization"):
         train_ds, eval_ds, raw_eval = build_datasets(data_args, tokenizer, seed=args.seed)

@@ -497,7 +497,9 @@ def precompute_teacher_logprobs(
         teacher.autocast = as_autocast_dtype(mixed_precision)
     module = teacher.module
     if top_k > teacher.vocab_size:
-        raise ValueError(f"top_k={top_k} exceeds the vocabulary ({teacher.vocab_size} tokens).")
+        raise ValueError(
+            f"top_k={top_k} exceeds the vocabulary ({teacher.vocab_size} tokens): set top_k={teacher.vocab_size} or lower."
+        )
     device = torch.device(device) if device is not None else next(module.parameters()).device
     rows = dataset.select_columns([c for c in ("input_ids", "labels", "position_ids") if c in dataset.column_names])
     cache = _BlockCache(cache_dir, rows, teacher, top_k, block_size) if cache_dir else None
