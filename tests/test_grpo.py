@@ -230,6 +230,11 @@ def test_batch_statistics_are_the_whole_generations_and_a_ranks_own_are_not(sett
         ({"vllm_tensor_parallel_size": 2}, r"vllm_tensor_parallel_size=2: this process has a CPU \(one device\)"),
         ({"vllm_enable_sleep_mode": True}, "vLLM has no sleep mode on a CPU"),
         ({"vllm_mode": "server"}, "vllm_mode='server'"),
+        ({"vllm_max_model_length": 8}, r"vllm_max_model_length=8 is shorter than a prompt .* >= 257"),
+        (
+            {"vllm_max_model_length": 300, "max_prompt_length": 64},
+            r"shorter than max_prompt_length \+ max_completion_length = 64 \+ 256: .* >= 320",
+        ),
         ({"vllm_importance_sampling_mode": "tis"}, "vllm_importance_sampling_mode='tis'"),
         ({"vllm_importance_sampling_clip_min": 2.0, "vllm_importance_sampling_clip_max": 1.0}, "must be below"),
     ],

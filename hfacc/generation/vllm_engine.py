@@ -486,6 +486,22 @@ def check_vllm_settings(args) -> None:
         raise ValueError(f"vllm_kv_cache_memory_bytes={args.vllm_kv_cache_memory_bytes}: it must be > 0 (or None).")
     if args.vllm_max_model_length is not None and args.vllm_max_model_length < 1:
         raise ValueError(f"vllm_max_model_length={args.vllm_max_model_length}: it must be >= 1 (or None).")
+    completion = getattr(args, "max_completion_length", None)  # the sampling trainers' budget (GRPO, distillation)
+    if args.vllm_max_model_length is not None and completion is not None:
+        # Checked here, not by vLLM: its refusal comes from the engine, at the first generation, as a traceback.
+        prompt = getattr(args, "max_prompt_length", None)
+        need = (prompt or 1) + completion
+        if args.vllm_max_model_length < need:
+            budget = (
+                f"max_prompt_length + max_completion_length = {prompt} + {completion}"
+                if prompt
+                else (f"a prompt of at least 1 token + max_completion_length={completion}")
+            )
+            raise ValueError(
+                f"vllm_max_model_length={args.vllm_max_model_length} is shorter than {budget}: vLLM would refuse "
+                f"every request. Set vllm_max_model_length >= {need} (or None: the model's length), or lower "
+                "max_completion_length."
+            )
     tp = args.vllm_tensor_parallel_size
     devices = count_devices(getattr(args, "use_cpu", False))
     if tp < 1 or tp > devices:
