@@ -19,7 +19,7 @@ from hfacc.data.embedded import TASKS
 from hfacc.generation.rollout import RewardFunctionError, compute_advantages, group_advantages, score_completions
 from hfacc.generation.vllm_engine import is_vllm_available
 from hfacc.ops.loss import WindowCounts
-from tests.grpo_setup import build_prompts, rollout_rows, run_grpo
+from tests.grpo_setup import build_policy, build_prompts, rollout_rows, run_grpo
 from tests.helpers import ROOT, flat_grad, free_port, relative_error
 from tests.rollouts import reference_gradient, reference_sgd_steps
 
@@ -469,3 +469,26 @@ def test_hfacc_grpo_refuses_bad_settings_before_any_training(flags, tmp_path, ca
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.startswith("error: ") and "Traceback" not in err
     assert not (tmp_path / "sft").exists()
+
+
+def test_each_rank_samples_its_own_completions_reproducibly():
+    """The transformers engine draws under each rank's seed: two ranks' seeds give two samples of the same prompts
+    (not one sample twice), the same seed gives the same completions again (a resumed run's generation too), and the
+    run's global torch stream is left where it was. (Before, the seed was ignored and every rank, seeded alike, drew
+    the same completions.)"""
+    from hfacc.generation.engine import SamplingSettings, TransformersEngine, get_sampling_seed
+
+    model, tokenizer = build_policy()
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    engine, settings = TransformersEngine(model, tokenizer), SamplingSettings(max_completion_length=8)
+    torch.manual_seed(0)  # every rank's global generator starts alike
+    state = torch.get_rng_state()
+    rank0, rank1 = (engine.sample([prompt] * 8, settings, seed=get_sampling_seed(42, 1, r)) for r in (0, 1))
+    assert torch.equal(torch.get_rng_state(), state)  # dropout and shuffling draw on as without sampling
+    assert rank0.completion_ids != rank1.completion_ids
+    torch.manual_seed(123)  # another global state: the seed alone decides the draw
+    again = engine.sample([prompt] * 8, settings, seed=get_sampling_seed(42, 1, 0))
+    assert again.completion_ids == rank0.completion_ids
+    assert get_sampling_seed(42, 2, 0) != get_sampling_seed(42, 1, 0)  # each generation draws afresh

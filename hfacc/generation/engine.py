@@ -116,6 +116,12 @@ class Samples:
     logps: list[list[float]] | None = None
 
 
+def get_sampling_seed(base_seed: int, generation: int, rank: int) -> int:
+    """The seed of one rank's draw in one generation: distinct per rank (P ranks sample P independent sets of
+    completions, as TRL seeds them) and per generation, the same on a resumed run (it depends on nothing else)."""
+    return (base_seed * 1_000_003 + generation * 7919 + rank * 104_729) % 2**31
+
+
 class GenerationEngine(ABC):
     """Samples completions from a policy. Subclasses implement :meth:`sample`, :meth:`answer` and
     :meth:`sync_weights`; :meth:`update` is the once-per-generation call that keeps the engine in step."""
@@ -131,8 +137,8 @@ class GenerationEngine(ABC):
     @abstractmethod
     def sample(self, prompt_ids: Sequence[Sequence[int]], settings: SamplingSettings, *, seed: int | None = None):
         """:class:`Samples` for ``prompt_ids`` (one completion each; repeat a prompt for several), sampled with
-        ``settings``. ``seed`` makes the draw reproducible where the engine seeds its own sampling (vLLM); None
-        draws from torch's global generator (transformers)."""
+        ``settings``. ``seed`` makes the draw reproducible and distinct per seed (give every rank its own); None
+        draws from torch's global generator."""
 
     @abstractmethod
     def answer(self, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
@@ -170,7 +176,17 @@ class TransformersEngine(GenerationEngine):
         self.model, self.tokenizer = model, tokenizer
 
     def sample(self, prompt_ids, settings, *, seed=None) -> Samples:
-        completion_ids, truncated = sample_completions(self.model, self.tokenizer, prompt_ids, settings)
+        if seed is None:
+            completion_ids, truncated = sample_completions(self.model, self.tokenizer, prompt_ids, settings)
+            return Samples(completion_ids, truncated)
+        # ``generate`` samples from torch's global generator (it takes no torch.Generator), which every rank seeded
+        # alike: draw under a forked, seeded state so each rank samples its own completions, reproducibly, and the
+        # run's global stream (dropout, shuffling) is left as it was.
+        device = next(self.model.parameters()).device
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            completion_ids, truncated = sample_completions(self.model, self.tokenizer, prompt_ids, settings)
         return Samples(completion_ids, truncated)
 
     @torch.no_grad()
@@ -206,6 +222,7 @@ __all__ = [
     "Samples",
     "SamplingSettings",
     "TransformersEngine",
+    "get_sampling_seed",
     "left_pad",
     "sample_completions",
 ]

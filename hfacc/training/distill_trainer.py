@@ -32,7 +32,7 @@ from torch import nn
 
 from ..data.collator import DataCollatorForCausalLM
 from ..data.formats import DataError
-from ..generation.engine import GenerationEngine
+from ..generation.engine import GenerationEngine, get_sampling_seed
 from ..generation.rollout import SamplingSettings, get_prompt_ids, is_conversational
 from ..generation.vllm_engine import VLLMArguments, check_vllm_settings
 from ..models.model_init import disable_dropout, get_model_and_tokenizer
@@ -196,7 +196,7 @@ class DistillationTrainer(TokenWeightedTrainer):
     def sample(self, prompt_ids: Sequence[Sequence[int]], generation: int = 0) -> tuple[list[list[int]], list[bool]]:
         """One completion per prompt from the student: ``(completion ids, truncated flags)``, sampled by
         :attr:`engine` from the student's current weights (the one place generation happens). ``generation`` numbers
-        the generation batch in the run: it seeds the engine's sampling where the engine seeds its own (vLLM)."""
+        the generation batch in the run: with the rank, it seeds the engine's draw."""
         args = self.args
         settings = SamplingSettings(
             args.max_completion_length, args.temperature, args.top_p, args.top_k, args.repetition_penalty
@@ -204,7 +204,7 @@ class DistillationTrainer(TokenWeightedTrainer):
         engine = self.engine
         engine.update(self.accelerator.unwrap_model(self.model), version=self.state.global_step)
         base_seed = args.data_seed if args.data_seed is not None else args.seed
-        seed = (base_seed * 1_000_003 + generation * 7919 + self.accelerator.process_index * 104_729) % 2**31
+        seed = get_sampling_seed(base_seed, generation, self.accelerator.process_index)
         samples = engine.sample(prompt_ids, settings, seed=seed)
         return samples.completion_ids, samples.truncated
 

@@ -43,7 +43,7 @@ from torch import nn
 from transformers import TrainingArguments
 
 from ..data.collator import DataCollatorForCausalLM
-from ..generation.engine import GenerationEngine
+from ..generation.engine import GenerationEngine, get_sampling_seed
 from ..generation.rewards import get_reward_function
 from ..generation.rollout import (
     ADVANTAGE_ESTIMATORS,
@@ -473,7 +473,7 @@ class GRPOTrainer(TokenWeightedTrainer):
             scale_rewards=args.scale_rewards,
             max_prompt_length=args.max_prompt_length,
             row_names=[f"row {i} of the prompts dataset" for i in indices],
-            seed=(base_seed * 1_000_003 + generation * 7919 + rank * 104_729) % 2**31,
+            seed=get_sampling_seed(base_seed, generation, rank),
             advantage_estimator=args.advantage_estimator,
             multi_objective_aggregation=args.multi_objective_aggregation,
             normalize_advantages=args.normalize_advantages,
