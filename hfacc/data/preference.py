@@ -468,8 +468,8 @@ def check_preference_columns(columns: Sequence[str]) -> None:
     if "completion" in columns and "label" not in columns and len(missing) == len(SIDES):
         raise DataError(  # a completion without a label: unpaired (KTO) rows that lost their label, or SFT rows
             f"These rows have {sorted(columns)} and no 'label': unpaired preference rows (KTO) need a boolean 'label' "
-            "column (true: a desirable completion, false: an undesirable one); add it. Without one they are SFT data: "
-            "train on them with `hfacc sft` (in Python: hfacc.build_sft_dataset)."
+            "column (true: a desirable completion, false: an undesirable one); add it. Without one, this looks like SFT data: "
+            "train on it with `hfacc sft` (in Python: hfacc.build_sft_dataset)."
         )
     if missing:
         hint = ""
