@@ -640,7 +640,9 @@ def test_two_runs_in_one_directory_with_other_data_are_refused_and_the_first_req
     shutil.copytree(root / "base", out)
     other_data = {**REQUEUED, "data": 12}
     trainer, _ = check.make_trainer(out, other_data)
-    with pytest.raises(ConfigError, match=r"holds checkpoints of another run .*train_fingerprint '.*' there, '.*' here"):
+    with pytest.raises(
+        ConfigError, match=r"holds checkpoints of another run .*train_fingerprint '.*' there, '.*' here"
+    ):
         trainer.train()
     run_b = checkpoints.get_run_settings(trainer.args, False, trainer.train_dataset)
     with pytest.raises(ConfigError, match=r"no checkpoint of this run .*--resume_with_other_data true"):
