@@ -81,3 +81,20 @@ def disable_dropout(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+
+
+def get_policy_for_trainer(model, processing_class, args, peft_config, owner: str):
+    """The policy and tokenizer of an online trainer (GRPO, on-policy distillation) called as TRL calls one: a
+    model's name (loaded with ``args.model_init_kwargs``), no ``processing_class``, a ``peft_config``; a model and
+    tokenizer given as objects pass through. ``args.disable_dropout`` zeroes its dropout."""
+    if isinstance(model, str) or processing_class is None or peft_config is not None:
+        model, processing_class = get_model_and_tokenizer(
+            model,
+            processing_class,
+            model_init_kwargs=getattr(args, "model_init_kwargs", None),
+            peft_config=peft_config,
+            owner=owner,
+        )
+    if getattr(args, "disable_dropout", False):
+        disable_dropout(model)
+    return model, processing_class

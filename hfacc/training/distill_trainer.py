@@ -35,7 +35,7 @@ from ..data.formats import DataError
 from ..generation.engine import GenerationEngine, get_sampling_seed
 from ..generation.rollout import SamplingSettings, get_prompt_ids, is_conversational
 from ..generation.vllm_engine import VLLMArguments, check_vllm_settings
-from ..models.model_init import disable_dropout, get_model_and_tokenizer
+from ..models.model_init import get_policy_for_trainer
 from ..objectives.distillation import DistillationObjective
 from ..ops.loss import IGNORE_INDEX
 from .arguments import TokenWeightedArguments, convert_arguments
@@ -132,16 +132,9 @@ class DistillationTrainer(TokenWeightedTrainer):
     ):
         args = convert_arguments(args, DistillationArguments)
         # TRL's call shape: a model's name (loaded with model_init_kwargs), no processing_class, a peft_config.
-        if isinstance(model, str) or processing_class is None or peft_config is not None:
-            model, processing_class = get_model_and_tokenizer(
-                model,
-                processing_class,
-                model_init_kwargs=getattr(args, "model_init_kwargs", None),
-                peft_config=peft_config,
-                owner="DistillationTrainer",
-            )
-        if getattr(args, "disable_dropout", False):
-            disable_dropout(model)
+        model, processing_class = get_policy_for_trainer(
+            model, processing_class, args, peft_config, "DistillationTrainer"
+        )
         if teacher_model is None:
             teacher_model = getattr(args, "teacher_model_name_or_path", None)
         if processing_class is None or getattr(processing_class, "pad_token_id", None) is None:

@@ -55,7 +55,7 @@ from ..generation.rollout import (
     get_reward_name,
 )
 from ..generation.vllm_engine import VLLMArguments, build_generation_engine, check_vllm_settings
-from ..models.model_init import disable_dropout, get_model_and_tokenizer
+from ..models.model_init import get_policy_for_trainer
 from ..objectives.policy_gradient import (
     IMPORTANCE_SAMPLING_LEVELS,
     IMPORTANCE_SAMPLING_MODES,
@@ -348,16 +348,7 @@ class GRPOTrainer(TokenWeightedTrainer):
     ):
         args = as_grpo_arguments(args)
         # TRL's call shape: a model's name (loaded with model_init_kwargs), no processing_class, a peft_config.
-        if isinstance(model, str) or processing_class is None or peft_config is not None:
-            model, processing_class = get_model_and_tokenizer(
-                model,
-                processing_class,
-                model_init_kwargs=getattr(args, "model_init_kwargs", None),
-                peft_config=peft_config,
-                owner="GRPOTrainer",
-            )
-        if getattr(args, "disable_dropout", False):
-            disable_dropout(model)
+        model, processing_class = get_policy_for_trainer(model, processing_class, args, peft_config, "GRPOTrainer")
         if processing_class is None or getattr(processing_class, "pad_token_id", None) is None:
             raise ValueError("GRPOTrainer needs processing_class=<the tokenizer>, with a pad token (and EOS).")
         if kwargs.get("eval_dataset") is not None:
