@@ -83,7 +83,7 @@ def make_trainer(out: Path, case: dict):
         train = make_stream(make_rows(case["rows"]), tokenizer, buffer_size=8)
         collate = DataCollatorForCausalLM(tokenizer.pad_token_id)
     else:
-        train, collate = Dataset.from_list(make_examples(case["rows"], seed=case.get("data", 11))), COLLATE
+        train, collate = Dataset.from_list(make_examples(case["rows"], seed=11)), COLLATE
     trainer = TokenWeightedTrainer(
         model=model, args=TokenWeightedArguments(**settings), train_dataset=train, data_collator=collate
     )

@@ -628,32 +628,3 @@ def test_a_full_disk_while_saving_is_one_message_and_keeps_the_last_checkpoint(t
     assert describe_user_error(err.value).startswith("no space left on the device while writing")
     assert "--resume_from_checkpoint last resumes from it" in str(err.value)
     assert get_last_complete_checkpoint(out) == str(out / "checkpoint-1")
-
-
-def test_two_runs_in_one_directory_with_other_data_are_refused_and_the_first_requeued_ends_exactly(
-    two_checkpoints, tmp_path, caplog
-):
-    """Before: run B (other rows, same settings) auto-resumed run A's checkpoint-2 silently; now one named line, and
-    A's requeue ends with A's uninterrupted weights. With --resume_with_other_data B goes on from A's, and it is said."""
-    root, full = two_checkpoints
-    out = tmp_path / "run"
-    shutil.copytree(root / "base", out)
-    other_data = {**REQUEUED, "data": 12}
-    trainer, _ = check.make_trainer(out, other_data)
-    with pytest.raises(
-        ConfigError, match=r"holds checkpoints of another run .*train_fingerprint '.*' there, '.*' here"
-    ):
-        trainer.train()
-    run_b = checkpoints.get_run_settings(trainer.args, False, trainer.train_dataset)
-    with pytest.raises(ConfigError, match=r"no checkpoint of this run .*--resume_with_other_data true"):
-        resolve_checkpoint("last", out, run_b)
-    trainer, model = check.make_trainer(out, REQUEUED)  # A requeued with its own command
-    trainer.train()
-    assert torch.equal(check.weights(model), full)
-    shutil.rmtree(out / "checkpoint-3")
-    deliberate = {**other_data, "settings": {**other_data["settings"], "resume_with_other_data": True}}
-    trainer, _ = check.make_trainer(out, deliberate)
-    with caplog.at_level(logging.WARNING, logger="hfacc"):
-        trainer.train()
-    assert "resume_with_other_data: a checkpoint saved with other training rows is resumed" in caplog.text
-    assert "resuming from " in caplog.text and (out / "checkpoint-3").is_dir()

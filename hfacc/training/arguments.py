@@ -104,14 +104,6 @@ class TokenWeightedArguments(TrainingArguments):
             "(such a directory is refused). Axolotl's name."
         },
     )
-    resume_with_other_data: bool = field(
-        default=False,
-        metadata={
-            "help": "Resume (or auto-resume) a checkpoint whose training rows differ from this run's (other data, "
-            "max_length, packing or chat template): a deliberate data change. Without it such a checkpoint is "
-            "another run's and is refused."
-        },
-    )
     audit_every_n_steps: int = field(
         default=0,
         metadata={

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import hashlib
 import json
 import logging
 import os
@@ -79,54 +78,13 @@ RESTORED_SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2"
 
 
 # ---- what a checkpoint records ----------------------------------------------------------------------------------
-def get_run_settings(args, streaming: bool, dataset=None) -> dict[str, Any]:
-    """The settings that identify a run (:data:`RUN_SETTINGS`), its number of processes, whether it streams its
-    data, and its training rows (:func:`get_data_identity` of ``dataset``, unless ``args.resume_with_other_data``),
-    as JSON values."""
+def get_run_settings(args, streaming: bool) -> dict[str, Any]:
+    """The settings that identify a run (:data:`RUN_SETTINGS`), its number of processes, and whether it streams its
+    data, as JSON values."""
     values = {f.name: _json_value(getattr(args, f.name)) for f in dataclasses.fields(args) if f.name in RUN_SETTINGS}
     values["world_size"] = args.world_size
     values["streaming"] = streaming
-    if getattr(args, "resume_with_other_data", False):
-        if "resume_with_other_data" not in _said:
-            _said.add("resume_with_other_data")
-            logger.warning(
-                "hfacc: resume_with_other_data: a checkpoint saved with other training rows is resumed as this "
-                "run's; its steps so far trained on those rows."
-            )
-    else:
-        values.update(get_data_identity(dataset))
     return values
-
-
-# What identifies a run's training rows (beside RUN_SETTINGS): their number and a fingerprint of the tokenized
-# rows. datasets' own ``_fingerprint`` changes with the source (path, revision, config, split) and with every map
-# that built the rows (max_length, truncation, packing, chat template and its masking), at no cost; other datasets
-# (a list, a torch Dataset) are hashed over their first rows.
-DATA_SETTINGS = ("train_rows", "train_fingerprint")
-_HASHED_ROWS = 64
-
-
-def get_data_identity(dataset) -> dict[str, Any]:
-    """``{"train_rows": n, "train_fingerprint": f}`` of a map-style training set ({} for a stream or None)."""
-    if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
-        return {}
-    fingerprint = getattr(dataset, "_fingerprint", None)
-    if not isinstance(fingerprint, str):
-        digest = hashlib.sha256()
-        for i in range(min(len(dataset), _HASHED_ROWS)):
-            digest.update(repr(_plain(dataset[i])).encode())
-        fingerprint = digest.hexdigest()[:16]
-    return {"train_rows": len(dataset), "train_fingerprint": fingerprint}
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _plain(value[k]) for k in sorted(value)}
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _json_value(value: Any) -> Any:
@@ -136,10 +94,7 @@ def _json_value(value: Any) -> Any:
 def describe_run_difference(saved: Mapping[str, Any], current: Mapping[str, Any]) -> str:
     """``learning_rate 0.001 there, 0.002 here; seed 1 there, 2 here`` (the settings that differ)."""
     keys = [k for k in current if k in saved and saved[k] != current[k]]
-    said = "; ".join(f"{k} {saved[k]!r} there, {current[k]!r} here" for k in keys)
-    if any(k in DATA_SETTINGS for k in keys):  # other training rows: name the override for a deliberate change
-        said += " (other training rows; for a deliberate data change, --resume_with_other_data true)"
-    return said
+    return "; ".join(f"{k} {saved[k]!r} there, {current[k]!r} here" for k in keys)
 
 
 def read_marker(checkpoint: str | Path) -> dict[str, Any] | None:
@@ -301,13 +256,6 @@ def _other_run(checkpoint: Path, run: Mapping[str, Any]) -> str | None:
     saved = _saved_run(checkpoint)
     if saved is None or saved == run:
         return None
-    if "train_fingerprint" in run and "train_fingerprint" not in saved and str(checkpoint.parent) not in _said:
-        _said.add(str(checkpoint.parent))  # an older hfacc's checkpoint: taken as this run's, as before, and said
-        logger.warning(
-            "hfacc: %s's checkpoints record no training rows (saved by an older hfacc): their data cannot be "
-            "compared with this run's; resuming takes them as this run's.",
-            checkpoint.parent,
-        )
     difference = describe_run_difference(saved, run)
     return f"it was saved by another run ({difference})" if difference else None
 

@@ -410,7 +410,7 @@ class TokenWeightedTrainer(Trainer):
         complete checkpoint if there is one, else starts afresh (and says which).
         """
         streaming = isinstance(self.train_dataset, SFTStream)
-        self._run_settings = get_run_settings(self.args, streaming, self.train_dataset)
+        self._run_settings = get_run_settings(self.args, streaming)
         resume_from_checkpoint = prepare_run(self.args, self._run_settings, resume_from_checkpoint, self.model)
         if resume_from_checkpoint is not None and not streaming and holds_stream_state(resume_from_checkpoint):
             raise ConfigError(
