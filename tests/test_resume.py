@@ -365,6 +365,97 @@ def test_a_requeued_job_never_takes_another_runs_checkpoints(two_checkpoints, tm
         check.make_trainer(out, {**other, "settings": {**other["settings"], "overwrite_output_dir": True}})
 
 
+def _said(caplog, needle: str) -> int:
+    return sum(needle in r.getMessage() for r in caplog.records)
+
+
+def test_a_run_on_other_data_never_takes_the_checkpoints_of_the_run_it_shares_a_directory_with(
+    two_checkpoints, tmp_path, caplog
+):
+    """Before: run B (other rows) in run A's directory resumed A's checkpoint as its own and exited 0; A's requeue
+    then took B's. Now B is refused with one line naming what differs and the fix, for auto-resume and `last`
+    alike, and A's requeue afterwards resumes its own checkpoint-2 to the uninterrupted weights."""
+    root, full = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "base", out)
+    other = {**REQUEUED, "rows": 14}
+    trainer, _ = check.make_trainer(out, other)
+    with pytest.raises(
+        ConfigError, match=r"holds checkpoints of another run .*data.num_rows 13 there, 14 here"
+    ) as err:
+        trainer.train()
+    assert "--resume_with_changed_data true" in str(err.value) and "--output_dir" in str(err.value)
+    trainer, _ = check.make_trainer(out, {**ONE_EPOCH, "rows": 14})
+    with pytest.raises(ConfigError, match=r"no checkpoint of this run .*data.num_rows 13 there, 14 here"):
+        trainer.train(resume_from_checkpoint="last")
+    # Same number of rows, other contents: the rows' hash differs.
+    trainer, _ = check.make_trainer(out, REQUEUED)
+    trainer.train_dataset = trainer.train_dataset.map(lambda row: {"input_ids": row["input_ids"][:-1]})
+    with pytest.raises(ConfigError, match=r"data.rows_sha256 '\w+' there, '\w+' here"):
+        trainer.train()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    trainer, model = check.make_trainer(out, REQUEUED)  # A's requeue
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        trainer.train()
+    assert check.relative_error(check.weights(model), full) <= TOL
+    assert _said(caplog, "saved before hfacc recorded") == 0
+
+
+def test_other_preprocessing_settings_are_another_run(two_checkpoints, tmp_path):
+    """A job's data settings (here max_length, then packing) are part of the run: another value is refused."""
+    from hfacc.data.sft import DataArguments
+    from hfacc.training.checkpoint import get_data_settings
+
+    root, _ = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "base", out)
+    for path in out.glob("checkpoint-*"):  # as a job with the default data settings saved them
+        marker = json.loads((path / MARKER).read_text())
+        marker["run"].update({f"data.{k}": v for k, v in get_data_settings(DataArguments()).items()})
+        (path / MARKER).write_text(json.dumps(marker))
+    for change, line in [
+        (dict(max_length=512), "data.max_length 1024 there, 512 here"),
+        (dict(packing=True), "data.packing False there, True here"),
+    ]:
+        trainer, _ = check.make_trainer(out, REQUEUED)
+        trainer.data_settings = get_data_settings(DataArguments(**change))
+        with pytest.raises(ConfigError, match=line):
+            trainer.train()
+    trainer, _ = check.make_trainer(out, REQUEUED)
+    trainer.data_settings = get_data_settings(DataArguments())
+    assert trainer.train().global_step == 3  # the same settings: its own run
+
+
+def test_a_deliberate_change_of_data_resumes_with_the_override_and_says_so(two_checkpoints, tmp_path, caplog):
+    root, _ = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "base", out)
+    changed = {"rows": 14, "settings": {**REQUEUED["settings"], "resume_with_changed_data": True}}
+    trainer, _ = check.make_trainer(out, changed)
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        trained = count_micro_batches(trainer)
+        trainer.train()
+    assert trained == [2]  # step 3 only, from A's checkpoint-2
+    assert _said(caplog, "resume_with_changed_data: a checkpoint in") == 1
+    saved = json.loads((out / "checkpoint-3" / MARKER).read_text())["run"]
+    assert saved["data.num_rows"] == 14  # the new checkpoint records the data it was trained on
+
+
+def test_a_checkpoint_saved_before_data_was_recorded_is_taken_with_a_warning(two_checkpoints, tmp_path, caplog):
+    root, full = two_checkpoints
+    out = tmp_path / "run"
+    shutil.copytree(root / "base", out)
+    for path in out.glob("checkpoint-*"):
+        marker = json.loads((path / MARKER).read_text())
+        marker["run"] = {k: v for k, v in marker["run"].items() if not k.startswith("data.")}
+        (path / MARKER).write_text(json.dumps(marker))
+    trainer, model = check.make_trainer(out, REQUEUED)
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        trainer.train()
+    assert _said(caplog, "saved before hfacc recorded a run's data") == 1
+    assert check.relative_error(check.weights(model), full) <= TOL
+
+
 CORRUPTIONS = {
     "flipped byte in model.safetensors": ("model.safetensors", "flip"),
     "flipped byte in optimizer.pt": ("optimizer.pt", "flip"),

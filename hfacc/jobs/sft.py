@@ -30,7 +30,7 @@ from ..generation.vllm_engine import VLLMArguments, build_generation_engine, che
 from ..models.loading import ModelArguments, load_model_and_tokenizer
 from ..runtime.config import ConfigError, get_default_config
 from ..training.arguments import TokenWeightedArguments
-from ..training.checkpoint import get_run_settings, prepare_run
+from ..training.checkpoint import get_data_settings, get_run_settings, prepare_run
 from .console import describe_run, run_recipe, setup_console, use_console, write
 from .report import save_loss_curve, write_json
 
@@ -58,7 +58,8 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
     setup_console(args)  # quiet by default; --log_level info for all detail
     set_seed(args.seed)
     # A bad checkpoint or output directory fails now, before the model loads (the trainer checks again).
-    resume = prepare_run(args, get_run_settings(args, data_args.streaming), args.resume_from_checkpoint)
+    run = get_run_settings(args, data_args.streaming, get_data_settings(data_args))
+    resume = prepare_run(args, run, args.resume_from_checkpoint)
     model, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
     if sft_args.use_vllm and is_vision_processor(tokenizer):
         raise ConfigError(
@@ -81,6 +82,7 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         data_collator=collator,
         processing_class=tokenizer,
     )
+    trainer.data_settings = get_data_settings(data_args)  # part of the run's identity in its checkpoints
     use_console(trainer)  # one progress bar and compact lines instead of the Trainer's printed dicts
     if trainer.is_world_process_zero():
         micro = f"{args.per_device_train_batch_size} sequences"

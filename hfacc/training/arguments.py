@@ -104,6 +104,14 @@ class TokenWeightedArguments(TrainingArguments):
             "(such a directory is refused). Axolotl's name."
         },
     )
+    resume_with_changed_data: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume a checkpoint whose data differs from this run's (dataset, max_length, packing, chat "
+            "template, rows; docs/reliability.md), deliberately: the data is not compared, and that is said. "
+            "Without it such a checkpoint is another run's, and refused."
+        },
+    )
     audit_every_n_steps: int = field(
         default=0,
         metadata={

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import hashlib
 import json
 import logging
 import os
@@ -72,19 +73,96 @@ RUN_SETTINGS = (
     "max_tokens_per_batch",
     "length_group_size",
 )
+# What decides which rows a run trains on and how, recorded as ``data.<name>`` beside RUN_SETTINGS: the data source
+# (dataset, config, split, the embedded default's size), its preprocessing (max_length, truncation,
+# packing, padding-free, the chat template) and the training set itself (its row count and datasets' fingerprint,
+# which changes with the rows and with every map that tokenized them). Two runs that differ only here train on other
+# rows; one must not continue the other's checkpoint. Streaming is a setting of its own (RUN_SETTINGS' streaming).
+DATA_SETTINGS = (
+    "dataset_name",
+    "dataset_config",
+    "dataset_train_split",
+    "max_examples",
+    "num_embedded_examples",
+    "embedded_dataset",
+    "dataset_format",
+    "max_length",
+    "truncation",
+    "last_turn_only",
+    "packing",
+)
+DATA_PREFIX = "data."
 # Settings a resume takes from the checkpoint whatever this run says: the saved optimizer and scheduler states
 # restore them (torch's load_state_dict keeps the saved param_groups; the scheduler its base_lrs).
 RESTORED_SETTINGS = ("learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
 
 
 # ---- what a checkpoint records ----------------------------------------------------------------------------------
-def get_run_settings(args, streaming: bool) -> dict[str, Any]:
-    """The settings that identify a run (:data:`RUN_SETTINGS`), its number of processes, and whether it streams its
-    data, as JSON values."""
+def get_run_settings(args, streaming: bool, data: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The settings that identify a run (:data:`RUN_SETTINGS`), its number of processes, whether it streams its
+    data, and what identifies its data (``data``, from :func:`get_data_settings` and :func:`get_dataset_identity`,
+    recorded as ``data.<name>``), as JSON values."""
     values = {f.name: _json_value(getattr(args, f.name)) for f in dataclasses.fields(args) if f.name in RUN_SETTINGS}
     values["world_size"] = args.world_size
     values["streaming"] = streaming
+    values.update({DATA_PREFIX + k: _json_value(v) for k, v in (data or {}).items()})
     return values
+
+
+def get_data_settings(data_args) -> dict[str, Any]:
+    """The fields of ``data_args`` (a job's data settings, e.g. :class:`hfacc.data.sft.DataArguments`) that decide
+    which rows a run trains on and how (:data:`DATA_SETTINGS`); those it lacks are left out."""
+    names = {f.name for f in dataclasses.fields(data_args)} if dataclasses.is_dataclass(data_args) else set()
+    values = {k: _json_value(getattr(data_args, k)) for k in DATA_SETTINGS if k in names}
+    if values.get("dataset_name") is not None:  # the embedded default's settings do not apply to a named dataset
+        values.pop("num_embedded_examples", None)
+        values.pop("embedded_dataset", None)
+    return values
+
+
+def get_dataset_identity(dataset, processing_class=None, rows: int = 16) -> dict[str, Any]:
+    """What identifies the training set itself, where it is cheap: its number of rows, a sha256 of its first ``rows``
+    rows and its last one as they are fed to the collator (after tokenization, truncation and packing), and one of
+    the tokenizer's chat template.
+
+    Not datasets' ``_fingerprint``: it is random wherever a map's function cannot be hashed (datasets says so once),
+    so the same run's requeue would read as another run."""
+    values: dict[str, Any] = {}
+    size = None
+    if dataset is not None and hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        with contextlib.suppress(TypeError):
+            size = len(dataset)
+    if size is not None:
+        values["num_rows"] = size
+        digest = hashlib.sha256()
+        for i in sorted({*range(min(rows, size)), size - 1} - {-1}):
+            digest.update(json.dumps(_plain(dataset[i]), sort_keys=True).encode())
+        values["rows_sha256"] = digest.hexdigest()[:16]
+    template = getattr(processing_class, "chat_template", None)
+    if isinstance(template, str):
+        values["chat_template"] = hashlib.sha256(template.encode()).hexdigest()[:16]
+    return values
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON (tensors and arrays as lists); what has no stable text (an image) as its type's name."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return type(value).__name__
+
+
+def _has_data_identity(run: Mapping[str, Any]) -> bool:
+    return any(k.startswith(DATA_PREFIX) for k in run)
+
+
+def _without_data(run: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in run.items() if not k.startswith(DATA_PREFIX)}
 
 
 def _json_value(value: Any) -> Any:
@@ -281,7 +359,7 @@ def resolve_checkpoint(
                     f"resume_from_checkpoint: no checkpoint of this run in {output_dir}; {_names(others)} were "
                     f"saved by another run ({describe_run_difference(saved, run)}). To continue that run, "
                     "resume with its settings or name its checkpoint; to start afresh, choose a new --output_dir or "
-                    "pass --overwrite_output_dir true."
+                    f"pass --overwrite_output_dir true.{_data_fix(saved, run)}"
                 )
             raise ConfigError(f"resume_from_checkpoint: no complete checkpoint in {output_dir}.")
         return found
@@ -366,6 +444,7 @@ def check_output_dir(
         )
         return
     others, same, unmarked = [], [], []
+    others_marker: dict[str, Any] = {}
     for path in checkpoints:
         try:
             marker = read_marker(path)
@@ -377,6 +456,7 @@ def check_output_dir(
             unmarked.append(path.name)
         elif difference:
             others.append((path.name, difference))
+            others_marker = others_marker or marker.get("run") or {}
         else:
             same.append(path.name)
     if others:
@@ -384,7 +464,7 @@ def check_output_dir(
             f"{output_dir} holds checkpoints of another run ({_names([n for n, _ in others])}: {others[0][1]}); a "
             "run started here would mix with them (--resume_from_checkpoint last could continue theirs). Choose a "
             "new --output_dir, pass --overwrite_output_dir true to delete them first, or resume that run with its "
-            "settings."
+            f"settings.{_data_fix(others_marker, run)}"
         )
     if same:
         logger.warning(
@@ -400,6 +480,14 @@ def check_output_dir(
             MARKER,
             _names(unmarked),
         )
+
+
+def _data_fix(saved: Mapping[str, Any], run: Mapping[str, Any]) -> str:
+    """The override, where what differs is the data: a deliberate change of data resumes with it."""
+    changed = [k for k in run if k in saved and saved[k] != run[k]]
+    if changed and all(k.startswith(DATA_PREFIX) for k in changed):
+        return " To continue it on the changed data deliberately, pass --resume_with_changed_data true."
+    return ""
 
 
 def _names(names: list[str]) -> str:
@@ -462,19 +550,40 @@ def prepare_run(args, run: Mapping[str, Any], resume_from_checkpoint, model=None
     one, if any, :func:`get_auto_resume_checkpoint`) and its weights against ``model``, the output directory
     (:func:`check_output_dir`), and the run record (:func:`write_run_record`). Returns the checkpoint to resume
     from, or None."""
+    full = run
+    if getattr(args, "resume_with_changed_data", False) and _has_data_identity(run):
+        run = _without_data(run)  # compared without its data; recorded with it
+        if str(args.output_dir) not in _said_data:
+            _said_data.add(str(args.output_dir))
+            logger.warning(
+                "hfacc: resume_with_changed_data: a checkpoint in %s is taken for this run's whatever data it was "
+                "trained on; the result is neither the saved run's nor that of a run started afresh on this data.",
+                args.output_dir,
+            )
     if resume_from_checkpoint in (None, False, "") and args.auto_resume_from_checkpoints:
         resume_from_checkpoint = get_auto_resume_checkpoint(args.output_dir, run)
     checkpoint = resolve_checkpoint(resume_from_checkpoint, args.output_dir, run)
     check_output_dir(
         args.output_dir, run, checkpoint is not None, overwrite=args.overwrite_output_dir, main=args.should_save
     )
+    saved = _saved_run(Path(checkpoint)) if checkpoint is not None else None
+    if saved is not None and _has_data_identity(full) and not _has_data_identity(saved) and checkpoint not in _said:
+        _said.add(checkpoint)
+        logger.warning(
+            "hfacc: %s was saved before hfacc recorded a run's data: taken for this run's without comparing its data "
+            "(dataset, max_length, packing, rows); make sure it is the same.",
+            checkpoint,
+        )
     if checkpoint is not None and model is not None:
         check_checkpoint_weights(checkpoint, model)
     if args.should_save and args.save_strategy != "no":
         inside = checkpoint is not None and Path(checkpoint).parent.resolve() == Path(args.output_dir).resolve()
         stock = checkpoint if inside and not (Path(checkpoint) / MARKER).is_file() else None
-        write_run_record(args.output_dir, run, stock)
+        write_run_record(args.output_dir, full, stock)
     return checkpoint
+
+
+_said_data: set[str] = set()
 
 
 def get_checkpoint_step(checkpoint: str | Path) -> int | None:
@@ -652,6 +761,8 @@ __all__ = [
     "get_auto_resume_checkpoint",
     "get_last_complete_checkpoint",
     "get_run_settings",
+    "get_data_settings",
+    "get_dataset_identity",
     "mark_checkpoint_complete",
     "prepare_run",
     "resolve_checkpoint",

@@ -66,6 +66,7 @@ from .checkpoint import (
     describe_save_failure,
     get_checkpoint_dir,
     get_checkpoint_step,
+    get_dataset_identity,
     get_run_settings,
     prepare_run,
     read_marker,
@@ -112,6 +113,8 @@ class TokenWeightedTrainer(Trainer):
     _nothing_to_train = False  # a finished run was resumed: no step, no save
     _resumed_counters: dict | None = None  # the step gate's counts saved in the checkpoint resumed from
     _run_settings: dict | None = None  # what identifies this run in its checkpoints (hfacc/training/checkpoint.py)
+    # The data settings that built train_dataset (a job's, get_data_settings): part of this run's identity.
+    data_settings: dict | None = None
     _initial_policy = None  # a resumed run's copy of the policy before its checkpoint loaded (the reference's)
 
     def __init__(self, model=None, args=None, *rest, objective: Objective | str | None = None, **kwargs):
@@ -410,7 +413,12 @@ class TokenWeightedTrainer(Trainer):
         complete checkpoint if there is one, else starts afresh (and says which).
         """
         streaming = isinstance(self.train_dataset, SFTStream)
-        self._run_settings = get_run_settings(self.args, streaming)
+        data = {
+            **(self.data_settings or {}),
+            "padding_free": bool(self.args.padding_free),
+            **get_dataset_identity(self.train_dataset, self.processing_class),
+        }
+        self._run_settings = get_run_settings(self.args, streaming, data)
         resume_from_checkpoint = prepare_run(self.args, self._run_settings, resume_from_checkpoint, self.model)
         if resume_from_checkpoint is not None and not streaming and holds_stream_state(resume_from_checkpoint):
             raise ConfigError(
