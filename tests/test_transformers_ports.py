@@ -124,7 +124,8 @@ def test_num_batches_in_training_with_gradient_accumulation(tmp_path):
                 per_device_train_batch_size=4,
                 gradient_accumulation_steps=5,
                 num_train_epochs=num_train_epochs,
-                output_dir=tmp_path,
+                output_dir=tmp_path
+                / f"e{num_train_epochs}-n{train_len}",  # other data: another run, another directory
             )
             total_batch_samples = []
 
