@@ -19,6 +19,20 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+# Tests that build nothing they share can go to any worker, one by one; every other module's tests stay together on
+# one worker, so its module- and session-scoped fixtures (a two-process launch, a trained tiny model: up to minutes)
+# are built once, not once per worker that runs one of its tests.
+SPREAD_ONE_BY_ONE = {"test_notebooks.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``--dist loadgroup`` (the README's test command), keep each module on one worker except
+    the modules in ``SPREAD_ONE_BY_ONE``; without xdist the marker is inert."""
+    for item in items:
+        if item.path.name not in SPREAD_ONE_BY_ONE:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 def pytest_collection_finish(session):
     """Every ``Trainer.train()`` starts with a full ``gc.collect()`` (accelerate's ``free_memory``): 0.7 s each time
     over the objects of torch, transformers and datasets. Frozen once, after the test modules imported them, they are

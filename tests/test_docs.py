@@ -99,7 +99,7 @@ COMMANDS = {
         "skip",
         "the offline vision-language example (minutes); tests/test_vision.py runs the same config shortened",
     ),
-    "python -m pytest": ("skip", SUITE),
+    "python -m pytest -n auto --dist loadgroup": ("skip", SUITE),
     'python -m pytest -m "not slow"': ("skip", SUITE),
     'python -m pytest -m "not slow and not distributed"': ("skip", SUITE),
     "ruff check . && ruff format --check .": ("skip", "the lint step of .ci/run, which runs it as written"),
