@@ -147,6 +147,12 @@ COMMANDS = {
         "skip",
         "the distillation job (after the SFT main job); tests/test_recipe_distill.py runs it shortened",
     ),
+    "accelerate launch recipes/distill.py --model_name_or_path my-student --teacher_model_name_or_path my-teacher "
+    "--dataset_name prompts.jsonl --lmbda 1": (
+        "skip",
+        "a student, teacher and prompts of the user's own; tests/test_distill_cli_on_policy.py runs the same job on "
+        "tiny saved models and a local JSONL",
+    ),
     "hfacc verify --objective distill --beta 0.5 --ce_weight 0.5": (
         "skip",
         "the same verify runs in process, on a smaller embedded student, in tests/test_distillation.py",

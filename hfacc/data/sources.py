@@ -41,6 +41,7 @@ def load_sft_source(
     seed: int = 0,
     num_embedded: int = 4000,
     embedded: str = "instructions",
+    prompts: bool = False,
 ):
     """Load raw SFT data and return ``(train, eval)`` ``datasets.Dataset`` s.
 
@@ -48,7 +49,8 @@ def load_sft_source(
     ``Dataset.save_to_disk``, a hub dataset name, or ``None`` for the embedded dataset (``embedded``: generated
     ``"instructions"``, or ``"shapes"``, pictures with questions for a vision-language model). Without an
     ``eval_split``, a seeded ``eval_fraction`` of the examples is held out; ``hold_out=False`` holds out none and
-    keeps the rows in order (the eval dataset is empty).
+    keeps the rows in order (the eval dataset is empty). ``prompts``: rows of a ``prompt`` alone are accepted too
+    (prompts to sample completions for: on-policy distillation).
     """
     import datasets
 
@@ -62,7 +64,7 @@ def load_sft_source(
             if file.suffix in (".json", ".jsonl"):
                 # Check the rows as written, before Arrow unifies types (it turns "4" into 4 when another row
                 # holds a number), so an error names the row and line that is really wrong.
-                validate_json_file(file)
+                validate_json_file(file, prompts=prompts)
         if path.suffix in LOCAL_FORMATS:
             if eval_split is not None or split != "train":  # a file is one split: the names would be ignored
                 given = (
@@ -77,7 +79,7 @@ def load_sft_source(
             try:
                 data = datasets.load_dataset(LOCAL_FORMATS[path.suffix], data_files=str(path), split="train")
             except Exception as err:  # pyarrow's and pandas' errors name neither the line nor the fix
-                raise DataError(describe_read_failure(files, err)) from err
+                raise DataError(describe_read_failure(files, err, prompts)) from err
             held_out = None
         elif _is_saved_dataset(path):
             loaded = datasets.load_from_disk(str(path))
@@ -88,7 +90,7 @@ def load_sft_source(
             except Exception as err:
                 if not files:  # a hub dataset: the console names what the Hub said
                     raise
-                raise DataError(describe_read_failure(files, err)) from err
+                raise DataError(describe_read_failure(files, err, prompts)) from err
             data, held_out = _pick_splits(loaded, split, eval_split, name_or_path)
     if max_examples is not None:
         data = data.select(range(min(max_examples, len(data))))
@@ -197,7 +199,7 @@ def _json_lines(path: Path) -> Iterator[tuple[int, Any]]:
                 raise DataError(f"{path}: line {number} is not valid JSON ({err}).") from err
 
 
-def describe_read_failure(files: list[Path], err: BaseException) -> str:
+def describe_read_failure(files: list[Path], err: BaseException, prompts: bool = False) -> str:
     """What is wrong in ``files`` when reading them failed with ``err`` (datasets' and pyarrow's messages name no
     line): the first line of a .json/.jsonl file that is not UTF-8 or JSON, or the CSV record that breaks, found by
     reading the files again with Python's own parsers (only on this failure path)."""
@@ -207,7 +209,7 @@ def describe_read_failure(files: list[Path], err: BaseException) -> str:
                 for _ in _json_lines(file):
                     pass
             elif file.suffix == ".json":
-                validate_json_file(file)
+                validate_json_file(file, prompts=prompts)
             elif file.suffix == ".csv" and (problem := _csv_problem(file)):
                 return f"{file}: {problem}."
         except DataError as found:
@@ -261,8 +263,11 @@ def generate_embedded_rows(kind: str, n: int, seed: int) -> list[dict]:
     return generate_instruction_examples(n, seed=seed)
 
 
-def validate_json_file(path: str | Path) -> None:
-    """Parse a .json/.jsonl file with Python's json and check every row's fields; DataError names row and line."""
+def validate_json_file(path: str | Path, prompts: bool = False) -> None:
+    """Parse a .json/.jsonl file with Python's json and check every row's fields; DataError names row and line.
+
+    ``prompts``: rows with a ``prompt`` and no ``completion`` are prompts (text or chat messages), and are accepted.
+    """
     path = Path(path)
     records: list[tuple[str, Any]] = []
     if path.suffix == ".jsonl":
@@ -288,11 +293,19 @@ def validate_json_file(path: str | Path) -> None:
     for label, row in records:
         if not isinstance(row, Mapping):
             raise DataError(f"row {label}: expected an object with named fields, got {type(row).__name__}.")
-    format = detect_format(list(records[0][1]))
+    first = records[0][1]
+    only_prompts = prompts and "prompt" in first and "completion" not in first and "messages" not in first
+    format = "prompt" if only_prompts else detect_format(list(first))
     for label, row in records:
-        missing = [c for c in FORMAT_COLUMNS[format] if c not in row]
+        missing = [c for c in FORMAT_COLUMNS.get(format, ("prompt",)) if c not in row]
         if missing:
             raise DataError(f"row {label}: no field {missing[0]!r}, which the other rows ({format} format) have.")
+        if format == "prompt":
+            if _is_conversation(row["prompt"]):
+                normalize_messages(row["prompt"], label, "prompt", need_assistant=False)
+            else:
+                _string(row, "prompt", label)
+            continue
         # Image parts are checked when the rows are tokenized, where it is known whether a processor reads them.
         if format == "messages":
             normalize_messages(row["messages"], label, "messages", need_assistant=True, allow_images=True)

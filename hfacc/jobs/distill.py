@@ -5,11 +5,15 @@
     hfacc distill --teacher_model_name_or_path my-teacher --model_name_or_path my-student --dataset_name chats.jsonl
     hfacc distill --precompute_teacher_logprobs true --teacher_top_k 32   # train from stored top-K log-probs
     hfacc distill --lmbda 0.5 --max_completion_length 32    # on-policy: half the micro-batches the student samples
+    hfacc distill --teacher_model_name_or_path my-teacher --model_name_or_path my-student --dataset_name prompts.jsonl \
+        --lmbda 1                                            # on-policy from your prompts (or SFT rows' prompts)
 
 With neither --config nor --model_name_or_path, recipes/configs/distill_tiny_default.yaml supplies the defaults. The
 teacher is the SFT recipe's output (outputs/sft-tiny, written by `hfacc sft`) when it is there, else a short SFT of a
 *bigger* embedded model runs first (into OUTPUT_DIR/teacher); the student is the tiny default, untrained; the data are
-the embedded conversations (the SFT recipe's, with its held-out split). It prints the held-out exact match of the
+the embedded conversations (the SFT recipe's, with its held-out split). With ``lmbda > 0`` the rows give the prompts
+(:func:`get_on_policy_prompts`: a ``prompt`` column, or a chat row's conversation up to its last assistant turn) and
+the student samples the completions of that share of the micro-batches. It prints the held-out exact match of the
 teacher and of the student before and after, and writes the student, tokenizer, metrics.json and loss_curve.png to
 --output_dir. Any setting can be given on the command line; a user error ends in one message and exit code 2.
 """
@@ -17,6 +21,7 @@ teacher and of the student before and after, and writes the student, tokenizer, 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 import time
 from collections.abc import Sequence
@@ -27,7 +32,9 @@ import torch
 from transformers import set_seed
 
 from ..data.collator import DataCollatorForCausalLM
+from ..data.formats import DataError, normalize_messages
 from ..data.sft import DataArguments, build_datasets
+from ..data.sources import SOURCE_ROW, load_sft_source
 from ..generation.evaluation import exact_match_by_group, exact_match_on_conversations
 from ..models.loading import ModelArguments, load_causal_lm, load_model_and_tokenizer
 from ..models.teacher import check_teacher_tokenizer, precompute_teacher_logprobs
@@ -39,6 +46,8 @@ from ..training.trainer import TokenWeightedTrainer
 from .console import describe_run, run_recipe, setup_console, use_console, write
 from .grpo import run_short_sft
 from .report import save_loss_curve, write_json
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "recipes" / "configs" / "distill_tiny_default.yaml"
 
@@ -103,11 +112,8 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
         torch.set_num_threads(job.torch_threads)  # the short SFT, the precomputation and training all run here
     setup_console(args)
     set_seed(args.seed)
-    if args.lmbda > 0 and data_args.dataset_name is not None:
-        raise ConfigError(
-            f"lmbda={args.lmbda} with --dataset_name: this job samples on-policy from the embedded conversations "
-            "only; for your prompts use hfacc.DistillationTrainer (docs/distillation.md), or set --lmbda 0."
-        )
+    if args.lmbda > 0:
+        check_on_policy_settings(job, data_args, args)
     student, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
     if job.precompute_teacher_logprobs and job.teacher_top_k > len(tokenizer):  # before the teacher loads or trains
         raise ConfigError(
@@ -116,7 +122,16 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
         )
     teacher, teacher_source = load_teacher(job, model_args, data_args, args, tokenizer)
     with args.main_process_first(desc="dataset tokenization"):
-        train_ds, eval_ds, raw_eval = build_datasets(data_args, tokenizer, seed=args.seed)
+        if args.lmbda > 0:  # prompts (and the dataset's completions for the share 1 - lmbda), tokenized as sampled
+            raw_train, raw_eval = load_sft_source(
+                data_args.dataset_name, config=data_args.dataset_config, split=data_args.dataset_train_split,
+                eval_split=data_args.dataset_eval_split, eval_fraction=data_args.eval_fraction,
+                max_examples=data_args.max_examples, seed=args.seed, num_embedded=data_args.num_embedded_examples,
+                prompts=True,
+            )  # fmt: skip
+            train_ds, eval_ds = get_on_policy_prompts(raw_train, args.lmbda), raw_eval
+        else:
+            train_ds, eval_ds, raw_eval = build_datasets(data_args, tokenizer, seed=args.seed)
     teacher_in_memory = teacher
     if job.precompute_teacher_logprobs:
         cache = job.precompute_cache_dir or str(Path(args.output_dir) / "teacher_logprobs")
@@ -133,8 +148,7 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
     before = exact_match(student, tokenizer, held_out, job, "of the student before") if main_process else None
     if args.lmbda > 0:
         trainer = DistillationTrainer(
-            student, teacher_in_memory, args, train_dataset=embedded_prompts(data_args, args.seed),
-            processing_class=tokenizer,
+            student, teacher_in_memory, args, train_dataset=train_ds, processing_class=tokenizer,
         )  # fmt: skip
     else:
         objective = DistillationObjective(
@@ -151,7 +165,8 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
         write(f"teacher {type(teacher).__name__}, {size(teacher):.1f}M parameters, {teacher_source}")
         write(f"student {type(student).__name__}, {size(student):.1f}M parameters")
         write(describe_run(student, args))
-        write(f"data    {len(train_ds):,} training / {len(eval_ds):,} held-out examples")
+        rows = "prompts" if args.lmbda > 0 else "examples"
+        write(f"data    {len(train_ds):,} training {rows} / {len(eval_ds):,} held-out rows")
         where = f"stored top-{job.teacher_top_k}" if job.precompute_teacher_logprobs else "the teacher model"
         on_policy = f", lmbda {args.lmbda} (on-policy)" if args.lmbda > 0 else ""
         write(
@@ -224,17 +239,77 @@ def load_teacher(
     return load_causal_lm(str(directory), dtype="float32"), source
 
 
-def embedded_prompts(data_args: DataArguments, seed: int):
-    """The embedded conversations as on-policy prompts: all turns but the last, and the last as ``completion``."""
+def check_on_policy_settings(job: DistillJobArguments, data_args: DataArguments, args: DistillationArguments):
+    """What on-policy distillation (``lmbda > 0``) cannot take, each one line before anything loads."""
+    if job.precompute_teacher_logprobs:
+        raise ConfigError(
+            f"precompute_teacher_logprobs with lmbda={args.lmbda}: stored top-K log-probs are the teacher's on the "
+            "dataset's completions, and on-policy micro-batches train on the student's samples, which need the "
+            "teacher itself. Set --lmbda 0 (offline distillation from the stored columns), or leave "
+            "--precompute_teacher_logprobs off."
+        )
+    if data_args.streaming:
+        raise ConfigError(
+            f"streaming with lmbda={args.lmbda}: on-policy distillation draws its prompts from a map-style dataset. "
+            "Leave --streaming off, or set --lmbda 0."
+        )
+
+
+def get_on_policy_prompts(raw, lmbda: float):
+    """The rows of ``raw`` as :class:`hfacc.DistillationTrainer`'s prompts: a ``prompt`` column, and a ``completion``
+    column for the share ``1 - lmbda`` of micro-batches the student does not sample.
+
+    Rows with a ``prompt`` column (with or without ``completion``) are taken as they are; chat rows (``messages``)
+    give their conversation up to their last assistant turn as the prompt and that turn as the completion (turns
+    after it are left out). How the prompts were taken is said once, at WARNING. Text rows have no prompt to take.
+    """
     import datasets
 
-    from ..data.sources import load_sft_source
-
-    raw_train, _ = load_sft_source(
-        None, eval_fraction=data_args.eval_fraction, max_examples=data_args.max_examples, seed=seed,
-        num_embedded=data_args.num_embedded_examples,
-    )  # fmt: skip
-    rows = [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in raw_train]
+    columns = set(raw.column_names)
+    share = f"the share 1 - lmbda = {1 - lmbda:g} of micro-batches the student does not sample"
+    if "prompt" in columns:
+        if "completion" not in columns:
+            if lmbda < 1:
+                raise ConfigError(
+                    f"lmbda={lmbda}: {share} trains on the dataset's completions, and its rows have a 'prompt' "
+                    "but no 'completion'. Add a 'completion' column, or set --lmbda 1 (the student samples every "
+                    "completion)."
+                )
+            return raw.select_columns(["prompt"])
+        use = f"its 'completion' is trained in {share}" if lmbda < 1 else "the 'completion' column is not trained"
+        logger.warning(
+            f"on-policy distillation (lmbda {lmbda:g}) of prompt/completion rows: each row's 'prompt' is the prompt "
+            f"the student completes; {use}."
+        )
+        return raw.select_columns(["prompt", "completion"])
+    if "messages" not in columns:
+        raise ConfigError(
+            f"lmbda={lmbda}: on-policy distillation needs prompts, and the dataset's columns "
+            f"{sorted(columns - {SOURCE_ROW})} hold none: give a 'prompt' column (with a 'completion' for lmbda < 1) "
+            "or chat rows ('messages'), or set --lmbda 0 (offline distillation of the rows as they are)."
+        )
+    rows = []
+    for i, row in enumerate(raw):
+        index = row.get(SOURCE_ROW, i)
+        messages = normalize_messages(row["messages"], index, "messages", need_assistant=True)
+        last = max(j for j, m in enumerate(messages) if m["role"] == "assistant")
+        if last == 0:
+            raise DataError(
+                f"row {index}, field 'messages': the conversation starts with its only assistant turn, so there is "
+                "no prompt before it to sample a completion for. Give the row a user turn first, or remove it."
+            )
+        rows.append({"prompt": messages[:last], "completion": messages[last : last + 1]})
+    use = (
+        f"the student samples the answer in the share lmbda = {lmbda:g} of micro-batches, and that last assistant "
+        "turn is the completion in the others"
+        if lmbda < 1
+        else "the student samples every answer, and the rows' own answers are not trained"
+    )
+    logger.warning(
+        f"on-policy distillation (lmbda {lmbda:g}) of chat rows: each row's prompt is its conversation up to its "
+        f"last assistant turn (that turn and any after it left out, the chat template's generation prompt added); "
+        f"{use}."
+    )
     return datasets.Dataset.from_list(rows)
 
 

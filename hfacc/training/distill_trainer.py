@@ -1,8 +1,9 @@
 """``DistillationTrainer``: on-policy distillation (GKD, TRL's ``DistillationTrainer``) as a TokenWeightedTrainer that
 generates.
 
-As for :class:`hfacc.GRPOTrainer`, the step is unchanged and only the micro-batches' source differs: the train
-dataloader is GRPO's :class:`hfacc.training.grpo_trainer.RolloutLoader`, which draws each optimizer step's prompts
+As for :class:`hfacc.GRPOTrainer`, the step is unchanged and only the micro-batches' source differs: both subclass
+:class:`hfacc.training.online_trainer.OnlineTrainer`, whose train dataloader, the
+:class:`hfacc.training.online_trainer.RolloutLoader`, draws each optimizer step's prompts
 (``per_device_train_batch_size x gradient_accumulation_steps`` per rank) and asks :meth:`generate_micro_batches` for
 its micro-batches. There, a seeded draw makes each micro-batch on-policy with probability ``lmbda`` (GKD's lambda;
 the same draw on every rank): the student samples its completions (:meth:`DistillationTrainer.sample`, GRPO's
@@ -32,15 +33,13 @@ from torch import nn
 
 from ..data.collator import DataCollatorForCausalLM
 from ..data.formats import DataError
-from ..generation.engine import GenerationEngine, get_sampling_seed
 from ..generation.rollout import SamplingSettings, get_prompt_ids, is_conversational
 from ..generation.vllm_engine import VLLMArguments, check_vllm_settings
 from ..models.model_init import get_policy_for_trainer
 from ..objectives.distillation import DistillationObjective
 from ..ops.loss import IGNORE_INDEX
 from .arguments import TokenWeightedArguments, convert_arguments
-from .grpo_trainer import GRPOTrainer, RolloutLoader
-from .trainer import TokenWeightedTrainer
+from .online_trainer import OnlineTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ class DistillationArguments(TokenWeightedArguments, VLLMArguments):
         DistillationObjective(beta=self.beta, temperature=self.temperature, ce_weight=self.ce_weight)
 
 
-class DistillationTrainer(TokenWeightedTrainer):
+class DistillationTrainer(OnlineTrainer):
     """On-policy knowledge distillation: the student samples completions and learns the teacher's distribution on
     them, exact per completion token over each optimizer step.
 
@@ -172,20 +171,10 @@ class DistillationTrainer(TokenWeightedTrainer):
             **kwargs,
         )
         self._generations = 0
-        self._engine: GenerationEngine | None = None
         self.generation_meter = GenerationMeter()
-        self.generation_seconds = 0.0  # this rank's, over the whole run
         self.last_rows: list[dict[str, Any]] = []  # the latest generation batch's rows, in training order
 
-    # ---- where the micro-batches come from -------------------------------------------------------------------
-    def get_train_dataloader(self) -> RolloutLoader:
-        """Micro-batches of prompts and completions, one generation batch per optimizer step (GRPO's loader)."""
-        return RolloutLoader(self)
-
-    # The generation engine: GRPO's (the student's ``generate``, or with ``use_vllm=True`` a colocated vLLM engine,
-    # built on first use on every rank at the same time; one generation per optimizer step here).
-    engine = GRPOTrainer.engine
-
+    # ---- where the micro-batches come from: OnlineTrainer's loader and engine (GRPO's) --------------------------
     def sample(self, prompt_ids: Sequence[Sequence[int]], generation: int = 0) -> tuple[list[list[int]], list[bool]]:
         """One completion per prompt from the student: ``(completion ids, truncated flags)``, sampled by
         :attr:`engine` from the student's current weights (the one place generation happens). ``generation`` numbers
@@ -194,11 +183,7 @@ class DistillationTrainer(TokenWeightedTrainer):
         settings = SamplingSettings(
             args.max_completion_length, args.temperature, args.top_p, args.top_k, args.repetition_penalty
         )
-        engine = self.engine
-        engine.update(self.accelerator.unwrap_model(self.model), version=self.state.global_step)
-        base_seed = args.data_seed if args.data_seed is not None else args.seed
-        seed = get_sampling_seed(base_seed, generation, self.accelerator.process_index)
-        samples = engine.sample(prompt_ids, settings, seed=seed)
+        samples = self.sync_engine().sample(prompt_ids, settings, seed=self.sampling_seed(generation))
         return samples.completion_ids, samples.truncated
 
     def on_policy_draws(self, count: int) -> list[bool]:
@@ -263,17 +248,6 @@ class DistillationTrainer(TokenWeightedTrainer):
             logs.update(self.generation_meter.interval_logs(self.accelerator))
             logs["training_time"] = round(self.meter.training_seconds(), 3)
         super().log(logs, start_time)
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """``TokenWeightedTrainer.train``. A resumed run goes on with the prompts after its checkpoint, sampled anew
-        (GRPO's loader places itself): the Trainer's replay of the micro-batches trained before would sample and throw
-        away whole generations."""
-        skip = self.args.ignore_data_skip
-        self.args.ignore_data_skip = True
-        try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-        finally:
-            self.args.ignore_data_skip = skip
 
 
 class GenerationMeter:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +43,7 @@ from torch import nn
 from transformers import TrainingArguments
 
 from ..data.collator import DataCollatorForCausalLM
-from ..generation.engine import GenerationEngine, get_sampling_seed
+from ..generation.engine import GenerationEngine
 from ..generation.rewards import get_reward_function
 from ..generation.rollout import (
     ADVANTAGE_ESTIMATORS,
@@ -54,7 +54,7 @@ from ..generation.rollout import (
     build_rollout,
     get_reward_name,
 )
-from ..generation.vllm_engine import VLLMArguments, build_generation_engine, check_vllm_settings
+from ..generation.vllm_engine import VLLMArguments, check_vllm_settings
 from ..models.model_init import get_policy_for_trainer
 from ..objectives.policy_gradient import (
     IMPORTANCE_SAMPLING_LEVELS,
@@ -68,7 +68,7 @@ from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
 from ..ops.loss import IGNORE_INDEX, shift_labels
 from ..runtime.config import ConfigError
 from .arguments import TokenWeightedArguments, convert_arguments
-from .trainer import TokenWeightedTrainer
+from .online_trainer import OnlineTrainer, RolloutLoader
 
 logger = logging.getLogger(__name__)
 
@@ -300,7 +300,7 @@ def as_grpo_arguments(args: TrainingArguments | None) -> GRPOArguments:
     return convert_arguments(args, GRPOArguments)
 
 
-class GRPOTrainer(TokenWeightedTrainer):
+class GRPOTrainer(OnlineTrainer):
     """Online GRPO / DAPO / Dr. GRPO: sample, score, and take exact policy-gradient steps on what was sampled.
 
     Args:
@@ -393,17 +393,12 @@ class GRPOTrainer(TokenWeightedTrainer):
             callbacks=callbacks,
             optimizers=optimizers,
             objective=objective,
+            engine=engine,
             **kwargs,
         )
         self.rollout: Rollout | None = None  # this rank's latest generation batch (rows in training order)
         self.rollout_meter = RolloutMeter([get_reward_name(f) for f in funcs], args.num_generations)
         self._logprobs_fused: bool | None = None  # old log-probs from the hidden states in chunks: checked once
-        self._engine = engine  # None: built at the first generation, on every rank together
-        if engine is not None:
-            engine.version = None  # whatever it held before, this policy's weights go in first
-        # This rank's seconds of generation over the whole run (the logged generation_time covers the logged
-        # intervals only: a run whose last steps end between two logging steps would leave them out).
-        self.generation_seconds = 0.0
 
     # ---- where the micro-batches come from -------------------------------------------------------------------
     @property
@@ -416,29 +411,6 @@ class GRPOTrainer(TokenWeightedTrainer):
         args = self.args
         return args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0
 
-    @property
-    def engine(self) -> GenerationEngine:
-        """The generation engine (:mod:`hfacc.generation.engine`): the policy's ``generate``, or with
-        ``use_vllm=True`` a colocated vLLM engine, built on first use (on every rank at the same time)."""
-        if self._engine is None:
-            args = self.args
-            longest = args.max_prompt_length + args.max_completion_length if args.max_prompt_length else None
-            self._engine = build_generation_engine(
-                args,
-                self.accelerator.unwrap_model(self.model),
-                self.processing_class,
-                self.accelerator,
-                max_model_len=longest,
-                batch_size=args.per_device_train_batch_size * args.steps_per_generation,
-            )
-            self._engine.version = self.state.global_step  # it was built from the weights as they are now
-            logger.info("hfacc: %s samples with %s.", type(self).__name__, self._engine.name)
-        return self._engine
-
-    def get_train_dataloader(self) -> RolloutLoader:
-        """Micro-batches of completions, generated when the step needs them (:class:`RolloutLoader`)."""
-        return RolloutLoader(self)
-
     def generate_micro_batches(self, indices: Sequence[int], generation: int = 0) -> list[dict[str, torch.Tensor]]:
         """The ``steps_per_generation`` micro-batches of one generation batch: prompts ``indices`` of the dataset.
 
@@ -447,8 +419,7 @@ class GRPOTrainer(TokenWeightedTrainer):
         """
         args, start = self.args, time.perf_counter()
         policy = self.accelerator.unwrap_model(self.model)
-        engine = self.engine
-        engine.update(policy, version=self.state.global_step)  # the weights this generation's steps train
+        engine = self.sync_engine()  # the weights this generation's steps train
         base_seed = args.data_seed if args.data_seed is not None else args.seed
         rank = self.accelerator.process_index
         rollout = build_rollout(
@@ -464,7 +435,7 @@ class GRPOTrainer(TokenWeightedTrainer):
             scale_rewards=args.scale_rewards,
             max_prompt_length=args.max_prompt_length,
             row_names=[f"row {i} of the prompts dataset" for i in indices],
-            seed=get_sampling_seed(base_seed, generation, rank),
+            seed=self.sampling_seed(generation),
             advantage_estimator=args.advantage_estimator,
             multi_objective_aggregation=args.multi_objective_aggregation,
             normalize_advantages=args.normalize_advantages,
@@ -572,110 +543,6 @@ class GRPOTrainer(TokenWeightedTrainer):
             logs.update(self.rollout_meter.interval_logs(self.accelerator))
             logs["training_time"] = round(self.meter.training_seconds(), 3)
         super().log(logs, start_time)
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        """``TokenWeightedTrainer.train``. A resumed run goes on with the prompts after the checkpoint's
-        (:class:`RolloutLoader`): the Trainer's replay of the micro-batches trained before (``skip_first_batches``)
-        would sample and throw away whole generations."""
-        skip = self.args.ignore_data_skip
-        self.args.ignore_data_skip = True
-        try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-        finally:
-            self.args.ignore_data_skip = skip
-
-
-class RolloutLoader:
-    """The train dataloader of :class:`GRPOTrainer`: micro-batches of completions, sampled when the step needs them.
-
-    Prompts are drawn in a seeded order per epoch (``train_sampling_strategy="sequential"``: in dataset order), in
-    global batches of ``P x prompts per rank``; rank r takes the r-th block of each. Each block becomes
-    ``steps_per_generation`` micro-batches, yielded ``num_iterations`` times. Its length, in micro-batches, is what
-    the Trainer plans its steps by.
-
-    A resumed run (its first epoch starts past step 0) goes on where the checkpoint stopped: the generations its
-    steps trained before are skipped without sampling; one the checkpoint cut in the middle (its rollout is not in
-    the checkpoint) is sampled again for the same prompts, from the resumed policy, and only its micro-batches not
-    trained yet are yielded. Which, is said at WARNING. Where the checkpoint falls between generations, the resumed
-    run samples and trains what the uninterrupted one would have (same prompts, same seeds, the checkpoint's RNG).
-    """
-
-    def __init__(self, trainer: GRPOTrainer):
-        self.trainer = trainer
-        self.epoch = 0
-        self.placed = False  # whether this train() call's first epoch was placed (at a resumed run's step)
-        args = trainer.args
-        self.prompts_per_rank = args.per_device_train_batch_size * args.steps_per_generation // args.num_generations
-        self.prompts_per_generation = self.prompts_per_rank * trainer.accelerator.num_processes
-        if len(trainer.train_dataset) < self.prompts_per_generation:
-            raise ValueError(
-                f"the prompts dataset has {len(trainer.train_dataset)} rows, fewer than one generation batch needs "
-                f"({self.prompts_per_generation}: per_device_train_batch_size x steps_per_generation / num_generations "
-                "x processes); give more prompts or a smaller batch."
-            )
-        self.generations = len(trainer.train_dataset) // self.prompts_per_generation  # per epoch
-        self.per_generation = args.steps_per_generation * args.num_iterations  # micro-batches
-
-    def __len__(self) -> int:
-        return self.generations * self.per_generation
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def get_resume_position(self) -> tuple[int, int]:
-        """``(generation, micro-batch)`` of this epoch where a resumed run goes on: the first micro-batch no step
-        trained before the checkpoint (``(0, 0)`` for a fresh run, and for every later epoch)."""
-        trainer = self.trainer
-        if self.placed:
-            return 0, 0
-        self.placed = True
-        if trainer.state.global_step == 0:
-            return 0, 0
-        accumulation = trainer.args.gradient_accumulation_steps
-        steps_per_epoch = max(math.ceil(len(self) / accumulation), 1)  # the Trainer's count
-        consumed = (trainer.state.global_step - self.epoch * steps_per_epoch) * accumulation
-        if consumed <= 0:
-            return 0, 0
-        return divmod(min(consumed, len(self)), self.per_generation)
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        trainer, args = self.trainer, self.trainer.args
-        n = len(trainer.train_dataset)
-        if args.train_sampling_strategy == "sequential":
-            order = list(range(n))
-        else:
-            seed = (args.data_seed if args.data_seed is not None else args.seed) + self.epoch
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-        rank = trainer.accelerator.process_index
-        first_generation, offset = self.get_resume_position()
-        if first_generation or offset:
-            self.say_resume(first_generation, offset)
-        for g in range(first_generation, self.generations):
-            first = g * self.prompts_per_generation + rank * self.prompts_per_rank
-            indices = order[first : first + self.prompts_per_rank]
-            batches = trainer.generate_micro_batches(indices, generation=self.epoch * self.generations + g)
-            yield from (batches * args.num_iterations)[offset if g == first_generation else 0 :]
-
-    def say_resume(self, generation: int, offset: int) -> None:
-        """Say at WARNING where the resumed run goes on, and which rollout it samples again."""
-        step, first = self.trainer.state.global_step, generation * self.prompts_per_generation
-        where = (
-            f"generation {generation + 1} of {self.generations} of epoch {self.epoch} (prompts {first}-"
-            f"{first + self.prompts_per_generation - 1} of the epoch's order)"
-        )
-        before = f"the {generation} generation(s) before it are not sampled again"
-        if offset == 0:
-            logger.warning(
-                "hfacc: resumed at step %d: training goes on with %s, as the uninterrupted run would; %s, and no "
-                "rollout is sampled again.", step, where, before,
-            )  # fmt: skip
-        else:
-            logger.warning(
-                "hfacc: resumed at step %d: the checkpoint cut %s after %d of its %d micro-batches, and its rollout is "
-                "not in the checkpoint: those prompts are sampled again, from the resumed policy, and the last %d "
-                "micro-batches of the new rollout are trained; %s.", step, where, offset, self.per_generation,
-                self.per_generation - offset, before,
-            )  # fmt: skip
 
 
 class RolloutMeter:
