@@ -46,6 +46,7 @@ _LOCATIONS: dict[str, tuple[str, ...]] = {
     "data.vision": ("DataCollatorForVisionLM", "get_processor"),
     "generation.engine": ("GenerationEngine", "TransformersEngine"),
     "generation.evaluation": ("generate_answers",),
+    "generation.tools": ("MultiTurnSampler",),
     "generation.vllm_engine": ("VLLMArguments", "VLLMEngine", "build_generation_engine"),
     "models.loading": (
         "ModelArguments",
@@ -180,6 +181,8 @@ __all__ = [
     "VLLMEngine",
     "VLLMArguments",
     "build_generation_engine",
+    # multi-turn rollouts with tools (docs/tools_and_environments.md)
+    "MultiTurnSampler",
     # TRL's trainers and configs under TRL's names (docs/from_trl.md)
     "SFTTrainer",
     "SFTConfig",

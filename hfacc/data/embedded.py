@@ -17,9 +17,26 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# ChatML. With ``tools`` a system turn of its own before the conversation lists them, one line each (name, parameter
+# names, description: short, for a tokenizer of 320 tokens), and an assistant turn's ``tool_calls`` are written as
+# ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` after its text (the Hermes / Qwen JSON format, which
+# hfacc.generation.tools parses); a ``tool`` message is a turn like any other. Without tools and tool calls it
+# renders exactly what it rendered before they existed (the default run's tokens).
 CHAT_TEMPLATE = (
+    '{% if tools %}{{ \'<|im_start|>system\nTools (call one as <tool_call>{"name": ..., "arguments": {...}}'
+    "</tool_call>):' }}{% for tool in tools %}{% set t = tool['function'] if tool.get('function') else tool %}"
+    "{{ '\n' + t['name'] + '(' + (t.get('parameters', {}).get('properties', {}) | join(', ')) + '): ' }}"
+    "{{ t.get('description', '') }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if message.get('tool_calls') %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}{% set f = call['function'] if call.get('function') else call %}"
+    "{{ '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{% if f['arguments'] is string %}{{ f['arguments'] }}{% else %}{{ f['arguments'] | tojson }}{% endif %}"
+    "{{ '}</tool_call>' }}{% endfor %}{{ '<|im_end|>' + '\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

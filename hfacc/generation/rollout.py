@@ -12,7 +12,11 @@ The pieces of an online policy-gradient step before any gradient (:class:`hfacc.
    GRPO's group baseline (:func:`group_advantages`), RLOO's leave-one-out, REINFORCE++'s batch-normalized, GDPO's
    per-reward normalization before the sum;
 5. :func:`build_rollout_rows` — rows for :class:`hfacc.PolicyGradientObjective`: ``input_ids`` (prompt +
-   completion), ``labels`` (-100 on the prompt) and ``advantages``.
+   completion), ``labels`` (-100 on the prompt, and on tool tokens of a multi-turn completion) and ``advantages``.
+
+With tools (:class:`hfacc.generation.tools.MultiTurnSampler`), step 2 samples multi-turn trajectories: the policy's
+turns and the tool results between them, with the mask of what the policy sampled, from which step 5 writes the
+labels (the only place a target is decided).
 """
 
 from __future__ import annotations
@@ -48,13 +52,16 @@ def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, (list, tuple)) and all(isinstance(m, Mapping) and "role" in m for m in prompt)
 
 
-def get_prompt_ids(tokenizer, prompt: Any, max_prompt_length: int | None = None) -> list[int]:
-    """The token ids of one prompt: chat messages through the chat template (with the generation prompt), text as is.
+def get_prompt_ids(tokenizer, prompt: Any, max_prompt_length: int | None = None, tools: list[dict] | None = None):
+    """The token ids of one prompt: chat messages through the chat template (with the generation prompt and the
+    ``tools``' schemas), text as is.
 
     A prompt longer than ``max_prompt_length`` keeps its last tokens (the end is what the completion continues).
     """
     if is_conversational(prompt):
-        text = tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            list(prompt), tools=tools or None, tokenize=False, add_generation_prompt=True
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the special tokens
     elif isinstance(prompt, str):
         ids = tokenizer(prompt)["input_ids"]
@@ -231,17 +238,31 @@ def compute_advantages(
 
 
 def build_rollout_rows(
-    prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], advantages: Sequence[float]
+    prompt_ids: Sequence[Sequence[int]],
+    completion_ids: Sequence[Sequence[int]],
+    advantages: Sequence[float],
+    target_masks: Sequence[Sequence[bool]] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows for :class:`hfacc.PolicyGradientObjective`: prompt + completion, labels -100 on the prompt.
 
+    ``target_masks`` (multi-turn completions): per completion id, True where the policy sampled it; the others (tool
+    results) get -100 too. This is the one place a rollout's targets are decided: every unit, count and log-prob
+    downstream reads ``labels``.
+
     >>> build_rollout_rows([[5, 6]], [[7, 2]], [0.5])
     [{'input_ids': [5, 6, 7, 2], 'labels': [-100, -100, 7, 2], 'advantages': 0.5}]
+    >>> build_rollout_rows([[5]], [[7, 8, 9]], [1.0], [[True, False, True]])[0]["labels"]
+    [-100, 7, -100, 9]
     """
-    return [
-        {"input_ids": list(p) + list(c), "labels": [IGNORE_INDEX] * len(p) + list(c), "advantages": float(a)}
-        for p, c, a in zip(prompt_ids, completion_ids, advantages, strict=True)
-    ]
+    if target_masks is None:
+        target_masks = [[True] * len(c) for c in completion_ids]
+    rows = []
+    for p, c, a, mask in zip(prompt_ids, completion_ids, advantages, target_masks, strict=True):
+        if len(mask) != len(c):
+            raise ValueError(f"a target mask of {len(mask)} entries for a completion of {len(c)} ids")
+        labels = [IGNORE_INDEX] * len(p) + [y if m else IGNORE_INDEX for y, m in zip(c, mask, strict=True)]
+        rows.append({"input_ids": list(p) + list(c), "labels": labels, "advantages": float(a)})
+    return rows
 
 
 @dataclass
@@ -251,10 +272,13 @@ class Rollout:
     Args:
         rows: one per completion (:func:`build_rollout_rows`), prompt by prompt, ``num_generations`` each.
         rewards: ``[N, F]`` per reward function (unweighted); ``total`` ``[N]`` the weighted sum.
-        completion_lengths: tokens per completion (EOS included); ``truncated``: without EOS.
+        completion_lengths: the policy's tokens per completion (EOS included; a multi-turn completion's tool tokens
+            are not counted); ``truncated``: without EOS (multi-turn: ended on the token budget).
         seconds: wall time of the generation alone (sampling, not scoring).
         sampler_logps: the sampler's log-prob of each completion token (one list per row), when the engine is not
             the policy itself (vLLM); None otherwise.
+        tool_calls, tool_failures, turns: per completion, with tools: calls run, failed calls, assistant turns
+            (empty lists without tools).
     """
 
     rows: list[dict[str, Any]]
@@ -266,6 +290,9 @@ class Rollout:
     seconds: float
     completions: list[Any] = field(default_factory=list)
     sampler_logps: list[list[float]] | None = None
+    tool_calls: list[int] = field(default_factory=list)
+    tool_failures: list[int] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
 
 
 def build_rollout(
@@ -286,6 +313,7 @@ def build_rollout(
     normalize_advantages: bool = False,
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
     rank: int = 0,
+    tool_sampler=None,
 ) -> Rollout:
     """Sample ``num_generations`` completions for each prompt row (a ``"prompt"`` column: text or messages), score
     them and give each its group advantage: steps 1-5 of the module docstring.
@@ -298,29 +326,66 @@ def build_rollout(
 
     ``gather`` (several ranks: ``accelerator.gather``) stacks every rank's rewards in rank order before
     :func:`compute_advantages`, so batch statistics are the whole generation's; this rank keeps its ``rank``-th share.
+
+    ``tool_sampler`` (a :class:`hfacc.generation.tools.MultiTurnSampler`): chat prompts rendered with its tools'
+    schemas, multi-turn completions sampled with its tools; the reward functions get each completion as its list of
+    messages (assistant turns with their ``tool_calls``, and the ``tool`` results), as TRL gives them.
     """
+    schemas = tool_sampler.schemas if tool_sampler is not None else None
+    pool = tool_sampler.environments if tool_sampler is not None else None
+    # One environment per completion, reset with its prompt's row; a text it returns ends the last prompt message.
+    environments = pool.take(len(prompt_rows) * num_generations) if pool is not None else None
     prompts, columns, ids, names = [], {}, [], []
     for j, row in enumerate(prompt_rows):
         if "prompt" not in row:
             raise DataError(f"{_row_name(row_names, j)} has no 'prompt' field (text or chat messages).")
-        prompt_ids = get_prompt_ids(tokenizer, row["prompt"], max_prompt_length)
+        if tool_sampler is not None and not is_conversational(row["prompt"]):
+            raise DataError(
+                f"{_row_name(row_names, j)}: tools need chat prompts (a list of messages), got text; the tools' schemas "
+                "and results are rendered by the chat template."
+            )
+        prompt_ids = get_prompt_ids(tokenizer, row["prompt"], max_prompt_length, tools=schemas)
         for _ in range(num_generations):
-            prompts.append(row["prompt"])
-            ids.append(prompt_ids)
+            prompt, these_ids = row["prompt"], prompt_ids
+            if environments is not None:
+                observation = environments[len(prompts)].reset(**row)
+                if observation is not None:
+                    last = dict(prompt[-1], content=prompt[-1]["content"] + str(observation))
+                    prompt = list(prompt[:-1]) + [last]
+                    these_ids = get_prompt_ids(tokenizer, prompt, max_prompt_length, tools=schemas)
+            prompts.append(prompt)
+            ids.append(these_ids)
             names.append(_row_name(row_names, j))
             for key, value in row.items():
                 if key != "prompt":
                     columns.setdefault(key, []).append(value)
     engine = model if isinstance(model, GenerationEngine) else TransformersEngine(model, tokenizer)
     start = time.perf_counter()
-    samples = engine.sample(ids, settings, seed=seed)
-    seconds = time.perf_counter() - start
-    completion_ids, truncated = samples.completion_ids, samples.truncated
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    completions = [
-        [{"role": "assistant", "content": text}] if is_conversational(p) else text
-        for p, text in zip(prompts, texts, strict=True)
-    ]
+    masks, tools = None, {}
+    if tool_sampler is not None:
+        trajectories = tool_sampler.sample(engine, prompts, ids, settings, seed=seed, environments=environments)
+        if environments is not None:
+            columns["environments"] = list(environments)  # the reward functions get them (TRL's keyword)
+        seconds = time.perf_counter() - start
+        completion_ids = [t.ids for t in trajectories]
+        truncated = [t.truncated for t in trajectories]
+        masks = [t.mask for t in trajectories]
+        completions = [t.messages for t in trajectories]
+        sampler_logps = [t.logps for t in trajectories] if engine.returns_logps else None
+        tools = {
+            "tool_calls": [t.tool_calls for t in trajectories],
+            "tool_failures": [t.tool_failures for t in trajectories],
+            "turns": [t.turns for t in trajectories],
+        }
+    else:
+        samples = engine.sample(ids, settings, seed=seed)
+        seconds = time.perf_counter() - start
+        completion_ids, truncated, sampler_logps = samples.completion_ids, samples.truncated, samples.logps
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [
+            [{"role": "assistant", "content": text}] if is_conversational(p) else text
+            for p, text in zip(prompts, texts, strict=True)
+        ]
     rewards = score_completions(reward_funcs, prompts, completions, columns, names)
     weights = torch.ones(len(reward_funcs), dtype=torch.float64)
     if reward_weights is not None:
@@ -336,16 +401,19 @@ def build_rollout(
         multi_objective_aggregation=multi_objective_aggregation,
         normalize_advantages=normalize_advantages,
     )[rank * len(total) : (rank + 1) * len(total)]
+    rows = build_rollout_rows(ids, completion_ids, advantages.tolist(), masks)
     return Rollout(
-        rows=build_rollout_rows(ids, completion_ids, advantages.tolist()),
+        rows=rows,
         rewards=rewards,
         total=total,
-        completion_lengths=[len(c) for c in completion_ids],
+        # the policy's tokens only: a multi-turn completion's tool tokens are context, in no count
+        completion_lengths=[len(c) for c in completion_ids] if masks is None else [sum(m) for m in masks],
         truncated=truncated,
         num_generations=num_generations,
         seconds=seconds,
         completions=completions,
-        sampler_logps=samples.logps,
+        sampler_logps=sampler_logps,
+        **tools,
     )
 
 

@@ -136,7 +136,8 @@ UNSUPPORTED: dict[str, str] = {
     "entropy_target": _GRPO_LOSS + ".",
     "off_policy_mask_threshold": _GRPO_LOSS + ".",
     "use_bias_correction_kl": _GRPO_LOSS + ".",
-    "max_tool_calling_iterations": "tool calling during generation is not available in hfacc.",
+    "max_tool_calling_iterations": "tool calling is GRPO's only in hfacc (GRPOTrainer(tools=...)); this command "
+    "samples single turns.",
     "log_completions": _COMPLETIONS_LOG + ".",
     "log_multimodal": _COMPLETIONS_LOG + ".",
     "num_completions_to_print": _COMPLETIONS_LOG + ".",

@@ -54,6 +54,7 @@ from ..generation.rollout import (
     build_rollout,
     get_reward_name,
 )
+from ..generation.tools import EnvironmentPool, MultiTurnSampler
 from ..generation.vllm_engine import VLLMArguments, check_vllm_settings
 from ..models.model_init import get_policy_for_trainer
 from ..objectives.policy_gradient import (
@@ -191,6 +192,19 @@ class GRPOArguments(TokenWeightedArguments, VLLMArguments):
     vllm_importance_sampling_cap: float | None = field(
         default=None, metadata={"help": "TRL's former name of vllm_importance_sampling_clip_max (sets it)."}
     )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "With tools: the most rounds of tool results per trajectory (None: only max_completion_length, "
+            "which bounds the whole trajectory, model and tool tokens, bounds them)."
+        },
+    )
+    tool_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "With tools: seconds a tool may take before its call fails with an error message (None: no limit)."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -319,6 +333,11 @@ class GRPOTrainer(OnlineTrainer):
         engine: the :class:`hfacc.generation.engine.GenerationEngine` to sample with (None: the one ``args`` asks
             for, built at the first generation: the policy's ``generate``, or vLLM with ``use_vllm=True``). An
             engine given gets this policy's weights at the first generation.
+        tools: Python functions the policy may call (TRL's ``tools``): multi-turn rollouts, the policy's tokens the
+            only targets (:mod:`hfacc.generation.tools`, docs/tools_and_environments.md). Chat prompts only.
+        environment_factory: TRL's (one callable): one environment per completion, reset with its prompt's row, its
+            public methods tools, its ``get_reward()`` (if any) a reward of weight 1; the reward functions get them
+            as ``environments`` (:class:`hfacc.generation.tools.EnvironmentPool`).
         callbacks, optimizers, **kwargs: as for ``transformers.Trainer`` (no ``eval_dataset``: score held-out prompts
             after training, as ``recipes/grpo.py`` does).
 
@@ -344,6 +363,8 @@ class GRPOTrainer(OnlineTrainer):
         optimizers=(None, None),
         engine: GenerationEngine | None = None,
         peft_config=None,
+        tools: Sequence[Callable] | None = None,
+        environment_factory: Callable | None = None,
         **kwargs,
     ):
         args = as_grpo_arguments(args)
@@ -356,6 +377,8 @@ class GRPOTrainer(OnlineTrainer):
                 "GRPOTrainer does not evaluate during training; score held-out prompts after training (recipes/grpo.py "
                 "reports their reward and exact match) and pass no eval_dataset."
             )
+        if reward_funcs is None:
+            reward_funcs = []  # an environment_factory whose environments give the reward (get_reward)
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         tokenizers = reward_processing_classes
         if not isinstance(tokenizers, (list, tuple)):
@@ -364,14 +387,28 @@ class GRPOTrainer(OnlineTrainer):
             raise ValueError(f"reward_processing_classes has {len(tokenizers)} entries for {len(funcs)} reward_funcs.")
         # Reward models (objects or paths) become functions that score through their own tokenizer (TRL's rule).
         funcs = [get_reward_function(f, t, args.device) for f, t in zip(funcs, tokenizers, strict=True)]
-        if not funcs or not all(callable(f) for f in funcs):
-            raise ValueError("reward_funcs must be a function f(prompts, completions, **columns) or a list of them.")
         check_reward_weights(args.reward_weights, funcs)
+        # Multi-turn rollouts with tools and environments: schemas and environments checked here, before model work.
+        pool = EnvironmentPool(environment_factory) if environment_factory is not None else None
+        if pool is not None and pool.has_reward:  # TRL's rule: one more reward, of weight 1, named after the class
+            funcs.append(pool.reward_function())
+            if args.reward_weights is not None:
+                args.reward_weights = [*args.reward_weights, 1.0]
+        if not funcs or not all(callable(f) for f in funcs):
+            raise ValueError(
+                "reward_funcs must be a function f(prompts, completions, **columns) or a list of them (or give an "
+                "environment_factory whose environments have get_reward())."
+            )
         if train_dataset is None or "prompt" not in getattr(train_dataset, "column_names", ()):
             raise ValueError(
                 "train_dataset must be a datasets.Dataset with a 'prompt' column (text or chat messages)."
             )
         self.reward_funcs = funcs
+        self.tool_sampler = (
+            MultiTurnSampler(tools or [], processing_class, args.max_tool_calling_iterations, args.tool_timeout, pool)
+            if tools or pool is not None
+            else None
+        )
         objective = PolicyGradientObjective(
             loss_type=args.loss_type,
             epsilon=args.epsilon,
@@ -396,8 +433,12 @@ class GRPOTrainer(OnlineTrainer):
             engine=engine,
             **kwargs,
         )
-        self.rollout: Rollout | None = None  # this rank's latest generation batch (rows in training order)
-        self.rollout_meter = RolloutMeter([get_reward_name(f) for f in funcs], args.num_generations)
+        # This rank's latest generation batch: its rows in training order (input_ids, labels: the targets, -100 on
+        # prompt and tool tokens; advantages; old_logps / sampler_logps where taken), what to inspect after a step.
+        self.rollout: Rollout | None = None
+        self.rollout_meter = RolloutMeter(
+            [get_reward_name(f) for f in funcs], args.num_generations, tools=self.tool_sampler is not None
+        )
         self._logprobs_fused: bool | None = None  # old log-probs from the hidden states in chunks: checked once
 
     # ---- where the micro-batches come from -------------------------------------------------------------------
@@ -443,6 +484,7 @@ class GRPOTrainer(OnlineTrainer):
             # generation's: every rank's rewards, gathered before any advantage (groups stay within a rank).
             gather=self.gather_rewards if self.accelerator.num_processes > 1 else None,
             rank=rank,
+            tool_sampler=self.tool_sampler,
         )
         if rollout.sampler_logps is not None:  # aligned with labels, as old_logps are
             for row, logps in zip(rollout.rows, rollout.sampler_logps, strict=True):
@@ -559,10 +601,14 @@ class RolloutMeter:
     policy's log-prob of each sampled token against the sampler's); with the correction on,
     ``sampling/importance_sampling_ratio/min``, ``/mean``, ``/max`` over the ratios of its mode (per token, or per
     completion), after truncation or masking (TRL's names; TRL averages per-rank means, here each is over all units).
+
+    With tools: ``tools/call_frequency`` (calls run per completion), ``tools/failure_frequency`` (failed calls per
+    call; TRL's names) and ``tools/mean_turns`` (assistant turns per completion); the lengths count the policy's
+    tokens only.
     """
 
-    def __init__(self, names: list[str], num_generations: int):
-        self.names, self.num_generations = names, num_generations
+    def __init__(self, names: list[str], num_generations: int, tools: bool = False):
+        self.names, self.num_generations, self.tools = names, num_generations, tools
         self.reset()
 
     def reset(self) -> None:
@@ -603,6 +649,9 @@ class RolloutMeter:
                         float(groups.shape[0]),
                         rollout.seconds,
                         seconds,
+                        float(sum(rollout.tool_calls)),
+                        float(sum(rollout.tool_failures)),
+                        float(sum(rollout.turns)),
                     ],
                     dtype=torch.float64,
                 ),
@@ -631,7 +680,9 @@ class RolloutMeter:
         f = len(self.names)
         n, total, total_sq = sums[:3].tolist()
         func_sums, func_sqs = sums[3 : 3 + f].tolist(), sums[3 + f : 3 + 2 * f].tolist()
-        length, truncated, zero_std, groups, sampling_seconds, seconds = sums[3 + 2 * f :].tolist()
+        length, truncated, zero_std, groups, sampling_seconds, seconds, calls, failures, turns = sums[
+            3 + 2 * f :
+        ].tolist()
         logs = {"reward": total / n, "reward_std": _std(total, total_sq, n)}
         for name, s, sq in zip(self.names, func_sums, func_sqs, strict=True):
             logs[f"rewards/{name}/mean"] = s / n
@@ -647,6 +698,10 @@ class RolloutMeter:
                 "generation_tokens_per_second": round(length / max(sampling_seconds / world, 1e-9), 2),
             }
         )
+        if self.tools:
+            logs["tools/call_frequency"] = calls / n
+            logs["tools/failure_frequency"] = failures / calls if calls else 0.0
+            logs["tools/mean_turns"] = turns / n
         difference, tokens, ratio, ratios = sampling
         if tokens:
             logs["sampling/sampling_logp_difference/mean"] = difference / tokens

@@ -310,7 +310,6 @@ class GRPOConfig(GRPOArguments):
     off_policy_mask_threshold: float | None = _unsupported(None, "off-policy masking")
     log_completions: bool = _unsupported(False, "printing completions")
     cast_lm_head_to_fp32: bool = _unsupported(False, "an fp32 LM head")
-    max_tool_calling_iterations: int | None = _unsupported(None, "tool calling")
     router_aux_loss_coef: float | None = _unsupported(None, "MoE auxiliary losses are not added")
 
     def __post_init__(self):
