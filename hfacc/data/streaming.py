@@ -22,6 +22,7 @@ A finite stream does not end training: ``max_steps`` decides. When a rank's shar
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import logging
 import random
@@ -174,6 +175,17 @@ class SFTStream(torch.utils.data.IterableDataset):
         if _worth_saying(self.dropped):  # the map-style path counts them too
             logger.warning("hfacc: row %s was dropped: %s (%d dropped so far).", where, why, self.dropped)
         return None
+
+    def first_examples(self, count: int) -> list[dict[str, Any]]:
+        """The stream's first ``count`` examples as training reads them (a resumed run's identity of its data:
+        :func:`hfacc.training.checkpoint.get_dataset_identity`), read again from the start; what they drop or cut
+        is neither counted nor said here (training does)."""
+        counts, disabled = (self.dropped, self.truncated), logger.disabled
+        logger.disabled = True
+        try:
+            return list(itertools.islice(self, count))
+        finally:
+            (self.dropped, self.truncated), logger.disabled = counts, disabled
 
     def __iter__(self) -> Iterator[dict[str, list[int]]]:
         for i, row in enumerate(self.source):

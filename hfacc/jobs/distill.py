@@ -41,6 +41,7 @@ from ..models.teacher import check_teacher_tokenizer, precompute_teacher_logprob
 from ..objectives.distillation import DistillationObjective
 from ..ops.precision import get_training_autocast
 from ..runtime.config import ConfigError, get_default_config
+from ..training.checkpoint import check_run_before_loading, get_data_settings
 from ..training.distill_trainer import DistillationArguments, DistillationTrainer
 from ..training.trainer import TokenWeightedTrainer
 from .console import describe_run, run_recipe, setup_console, use_console, write
@@ -114,6 +115,7 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
     set_seed(args.seed)
     if args.lmbda > 0:
         check_on_policy_settings(job, data_args, args)
+    check_run_before_loading(args, data_args)  # before the models load or a teacher's short SFT runs
     student, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
     if job.precompute_teacher_logprobs and job.teacher_top_k > len(tokenizer):  # before the teacher loads or trains
         raise ConfigError(
@@ -146,9 +148,10 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
     held_out = [row for row in held_out if isinstance(row.get("messages"), list)]  # chat rows: a last answer to match
     teacher_exact = exact_match(teacher, tokenizer, held_out, job, "of the teacher") if main_process else None
     before = exact_match(student, tokenizer, held_out, job, "of the student before") if main_process else None
+    data = get_data_settings(data_args)  # part of the run's identity in its checkpoints
     if args.lmbda > 0:
         trainer = DistillationTrainer(
-            student, teacher_in_memory, args, train_dataset=train_ds, processing_class=tokenizer,
+            student, teacher_in_memory, args, train_dataset=train_ds, processing_class=tokenizer, data_settings=data,
         )  # fmt: skip
     else:
         objective = DistillationObjective(
@@ -157,7 +160,7 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
         trainer = TokenWeightedTrainer(
             model=student, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
             data_collator=DataCollatorForCausalLM(tokenizer.pad_token_id), processing_class=tokenizer,
-            objective=objective,
+            objective=objective, data_settings=data,
         )  # fmt: skip
     use_console(trainer)
     if trainer.is_world_process_zero():
@@ -174,7 +177,7 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
             f"{on_policy}; {args.per_device_train_batch_size} x {args.gradient_accumulation_steps} micro-batches x "
             f"{args.world_size} process(es)"
         )
-    train_result = trainer.train()
+    train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model()
     after = exact_match(trainer.model, tokenizer, held_out, job, "of the student after") if main_process else None
     history = trainer.state.log_history

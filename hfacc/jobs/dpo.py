@@ -44,7 +44,7 @@ from ..objectives.preference import LOSS_TYPES, DPOObjective
 from ..ops.precision import get_training_autocast
 from ..runtime.config import ConfigError, get_default_config, parse_args
 from ..training.arguments import TokenWeightedArguments
-from ..training.checkpoint import resolve_checkpoint
+from ..training.checkpoint import check_run_before_loading, get_data_settings
 from .console import describe_run, run_recipe, setup_console, use_console, write
 from .report import save_loss_curve, write_json
 
@@ -203,7 +203,7 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
     set_seed(args.seed)
     # The objective reads --label_smoothing (TRL's DPOConfig name): never both.
     refuse_label_smoothing(args, "DPO", "set --label_smoothing (conservative DPO's eps, robust's flip rate) instead")
-    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+    check_run_before_loading(args, dpo_args)  # before a model loads or a short SFT runs
     embedded = model_args.model_name_or_path is None
     if embedded:
         model, tokenizer, started_from = load_sft_start(dpo_args, model_args, args)
@@ -248,6 +248,7 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
         data_collator=DataCollatorForPreference(tokenizer.pad_token_id),
         processing_class=tokenizer,
         objective=objective,
+        data_settings=get_data_settings(dpo_args),  # part of the run's identity in its checkpoints
     )
     use_console(trainer)
     if trainer.is_world_process_zero():
@@ -267,7 +268,7 @@ def main(dpo_args: DPOArguments, model_args: ModelArguments, args: TokenWeighted
         policy = trainer.accelerator.unwrap_model(trainer.model)
         engine = build_generation_engine(dpo_args, policy, tokenizer, trainer.accelerator, seed=args.seed)
     exact_before = exact_match(trainer, tokenizer, conversations, dpo_args, "before training", engine)
-    before, train_result, after = train_between_evaluations(trainer, resume)
+    before, train_result, after = train_between_evaluations(trainer, args.resume_from_checkpoint)
     step = trainer.state.global_step
     if engine is not None:  # the trained weights (on every process: a sharded policy is gathered for the copy)
         engine.update(trainer.accelerator.unwrap_model(trainer.model), version=step)

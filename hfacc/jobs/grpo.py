@@ -31,6 +31,7 @@ from ..generation.rewards import get_reward_funcs
 from ..generation.rollout import SamplingSettings, build_rollout, is_conversational
 from ..models.loading import ModelArguments, load_model_and_tokenizer
 from ..runtime.config import get_default_config, parse_args
+from ..training.checkpoint import check_run_before_loading, get_data_settings
 from ..training.grpo_trainer import GRPOArguments, GRPOTrainer, check_reward_weights
 from .console import describe_run, run_recipe, setup_console, use_console, write
 from .report import save_reward_curve, write_json
@@ -119,11 +120,16 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
     set_seed(args.seed)
     funcs = get_reward_funcs(job.reward_funcs)  # a bad name or weight is an error now, not after a short SFT
     check_reward_weights(args.reward_weights, funcs)
+    # The prompts as asked for (tasks 'auto', not the tasks it picks): the same on every launch of this run.
+    data = get_data_settings(job, args)
+    check_run_before_loading(args, job, args)  # before the policy loads or a short SFT runs
     model, tokenizer, source = load_policy(job, model_args, args)
     job = pick_tasks(job, model, tokenizer, funcs, args)  # tasks 'auto': where the policy's samples disagree
     train_prompts, eval_prompts = build_prompts(job, args.seed)
     main_process = args.process_index == 0
-    trainer = GRPOTrainer(model, funcs, args, train_dataset=train_prompts, processing_class=tokenizer)
+    trainer = GRPOTrainer(
+        model, funcs, args, train_dataset=train_prompts, processing_class=tokenizer, data_settings=data
+    )
     # With vLLM the held-out prompts are answered by the trainer's engine too (built here, on every process at once).
     engine = trainer.engine if args.use_vllm else None
     before = evaluate_policy(model, tokenizer, eval_prompts, funcs, args, engine=engine) if main_process else None
@@ -145,7 +151,7 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
         if before is not None:
             em = f"  exact match {before['exact_match']:.3f}" if "exact_match" in before else ""
             write(f"eval   before: reward {before['reward']:.3f}{em}  ({len(eval_prompts)} held-out prompts)")
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if engine is not None:  # the trained weights (on every process: a sharded policy is gathered for the copy)
         engine.update(trainer.accelerator.unwrap_model(trainer.model), version=trainer.state.global_step)
     after = (

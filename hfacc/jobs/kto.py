@@ -34,7 +34,7 @@ from ..objectives.kto import KTOObjective
 from ..ops.precision import get_training_autocast
 from ..runtime.config import get_default_config
 from ..training.arguments import TokenWeightedArguments
-from ..training.checkpoint import resolve_checkpoint
+from ..training.checkpoint import check_run_before_loading, get_data_settings
 from .console import describe_run, run_recipe, setup_console, use_console, write
 from .dpo import (
     RECIPES,
@@ -78,7 +78,7 @@ def main(kto_args: KTOArguments, model_args: ModelArguments, args: TokenWeighted
     setup_console(args)
     set_seed(args.seed)
     refuse_label_smoothing(args, "KTO")
-    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+    check_run_before_loading(args, kto_args)  # before a model loads or a short SFT runs
     embedded = model_args.model_name_or_path is None
     if embedded:
         model, tokenizer, started_from = load_sft_start(kto_args, model_args, args)
@@ -120,6 +120,7 @@ def main(kto_args: KTOArguments, model_args: ModelArguments, args: TokenWeighted
         data_collator=DataCollatorForUnpairedPreference(tokenizer.pad_token_id),
         processing_class=tokenizer,
         objective=objective,
+        data_settings=get_data_settings(kto_args),  # part of the run's identity in its checkpoints
     )
     use_console(trainer)
     if trainer.is_world_process_zero():
@@ -132,7 +133,7 @@ def main(kto_args: KTOArguments, model_args: ModelArguments, args: TokenWeighted
         write(f"loss   KTO, beta {kto_args.beta}, weights {kto_args.desirable_weight} / {kto_args.undesirable_weight}")
     conversations = held_out[: kto_args.num_exact_match_examples]
     exact_before = exact_match(trainer, tokenizer, conversations, kto_args, "before training")
-    before, train_result, after = train_between_evaluations(trainer, resume)
+    before, train_result, after = train_between_evaluations(trainer, args.resume_from_checkpoint)
     step = trainer.state.global_step
     exact_after = exact_match(trainer, tokenizer, conversations, kto_args, "after training")
     trainer.save_model()

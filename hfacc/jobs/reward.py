@@ -31,7 +31,7 @@ from ..models.loading import ModelArguments, apply_lora_settings, load_reward_mo
 from ..objectives.reward import RewardObjective
 from ..runtime.config import get_default_config
 from ..training.arguments import TokenWeightedArguments
-from ..training.checkpoint import resolve_checkpoint
+from ..training.checkpoint import check_run_before_loading, get_data_settings
 from .console import describe_run, run_recipe, setup_console, use_console, write
 from .dpo import (
     RECIPES,
@@ -69,7 +69,7 @@ def main(reward_args: RewardArguments, model_args: ModelArguments, args: TokenWe
     setup_console(args)
     set_seed(args.seed)
     refuse_label_smoothing(args, "reward model")
-    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir)
+    check_run_before_loading(args, reward_args)  # before a model loads or a short SFT runs
     embedded = model_args.model_name_or_path is None
     if embedded:  # the SFT start answers the embedded prompts (its wrong answers are the rejected ones)
         policy, tokenizer, started_from = load_sft_start(reward_args, model_args, args)
@@ -103,6 +103,7 @@ def main(reward_args: RewardArguments, model_args: ModelArguments, args: TokenWe
         data_collator=DataCollatorForPreference(tokenizer.pad_token_id),
         processing_class=tokenizer,
         objective=RewardObjective(reward_args.center_rewards_coefficient),
+        data_settings=get_data_settings(reward_args),  # part of the run's identity in its checkpoints
     )
     use_console(trainer)
     if trainer.is_world_process_zero():
@@ -114,7 +115,7 @@ def main(reward_args: RewardArguments, model_args: ModelArguments, args: TokenWe
         write(describe_batch(args, "pairs"))
         centering = reward_args.center_rewards_coefficient
         write("loss   Bradley-Terry" + (f", center_rewards_coefficient {centering}" if centering else ""))
-    before, train_result, after = train_between_evaluations(trainer, resume)
+    before, train_result, after = train_between_evaluations(trainer, args.resume_from_checkpoint)
     step = trainer.state.global_step
     trainer.save_model()
     metrics = {

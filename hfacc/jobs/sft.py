@@ -30,7 +30,7 @@ from ..generation.vllm_engine import VLLMArguments, build_generation_engine, che
 from ..models.loading import ModelArguments, load_model_and_tokenizer
 from ..runtime.config import ConfigError, get_default_config
 from ..training.arguments import TokenWeightedArguments
-from ..training.checkpoint import get_data_settings, get_run_settings, prepare_run
+from ..training.checkpoint import check_run_before_loading, get_data_settings
 from .console import describe_run, run_recipe, setup_console, use_console, write
 from .report import save_loss_curve, write_json
 
@@ -57,9 +57,9 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
     start = time.perf_counter()
     setup_console(args)  # quiet by default; --log_level info for all detail
     set_seed(args.seed)
-    # A bad checkpoint or output directory fails now, before the model loads (the trainer checks again).
-    run = get_run_settings(args, data_args.streaming, get_data_settings(data_args))
-    resume = prepare_run(args, run, args.resume_from_checkpoint)
+    # A bad checkpoint, another run's, or an output directory this run may not write into fails now, before the
+    # model loads; the trainer checks again with the rows, and resolves the checkpoint itself.
+    check_run_before_loading(args, data_args, streaming=data_args.streaming)
     model, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
     if sft_args.use_vllm and is_vision_processor(tokenizer):
         raise ConfigError(
@@ -81,8 +81,8 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         eval_dataset=eval_ds,
         data_collator=collator,
         processing_class=tokenizer,
+        data_settings=get_data_settings(data_args),  # part of the run's identity in its checkpoints
     )
-    trainer.data_settings = get_data_settings(data_args)  # part of the run's identity in its checkpoints
     use_console(trainer)  # one progress bar and compact lines instead of the Trainer's printed dicts
     if trainer.is_world_process_zero():
         micro = f"{args.per_device_train_batch_size} sequences"
@@ -94,7 +94,8 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
         write(f"data   {size} training / {len(eval_ds):,} held-out examples")
         write(f"batch  {micro} x {args.gradient_accumulation_steps} micro-batches x {args.world_size} process(es)")
     before = trainer.evaluate()
-    train_result = trainer.train(resume_from_checkpoint=resume)  # "last": the newest complete checkpoint
+    # As given ("last", a path, or None with auto-resume): the trainer takes only this run's checkpoints.
+    train_result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     # With eval_strategy "steps" the Trainer has just evaluated the last step; evaluate only if it did not.
     step = trainer.state.global_step
     final = [h for h in trainer.state.log_history if "eval_loss" in h and h["step"] == step and step > 0]

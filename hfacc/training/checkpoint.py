@@ -31,6 +31,8 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
+from ..data.collator import TEACHER_COLUMNS
+from ..data.preference import KTO_REFERENCE_COLUMNS, REFERENCE_COLUMNS
 from ..runtime.config import ConfigError
 from .hashing import hash_file
 
@@ -74,10 +76,11 @@ RUN_SETTINGS = (
     "length_group_size",
 )
 # What decides which rows a run trains on and how, recorded as ``data.<name>`` beside RUN_SETTINGS: the data source
-# (dataset, config, split, the embedded default's size), its preprocessing (max_length, truncation,
-# packing, padding-free, the chat template) and the training set itself (its row count and datasets' fingerprint,
-# which changes with the rows and with every map that tokenized them). Two runs that differ only here train on other
-# rows; one must not continue the other's checkpoint. Streaming is a setting of its own (RUN_SETTINGS' streaming).
+# (dataset, config, split, how many rows, the embedded default's size), its preprocessing (max_length, truncation,
+# packing, the chat template), and for GRPO the prompts (how many, which embedded tasks, max_prompt_length). Each job
+# passes the fields its settings have (get_data_settings); the trainer adds the training set itself
+# (get_dataset_identity). Two runs that differ only here train on other rows; one must not continue the other's
+# checkpoint. Streaming is a setting of its own (RUN_SETTINGS' streaming). docs/reliability.md has the table.
 DATA_SETTINGS = (
     "dataset_name",
     "dataset_config",
@@ -85,12 +88,30 @@ DATA_SETTINGS = (
     "max_examples",
     "num_embedded_examples",
     "embedded_dataset",
+    "num_embedded_prompts",
+    "num_rejected_samples",
+    "rejected_temperature",
+    "num_train_prompts",
+    "tasks",
     "dataset_format",
     "max_length",
+    "max_prompt_length",
     "truncation",
     "last_turn_only",
     "packing",
 )
+# The embedded default's own settings: they do not apply to a named dataset, so are not compared with one.
+EMBEDDED_SETTINGS = (
+    "num_embedded_examples",
+    "embedded_dataset",
+    "num_embedded_prompts",
+    "num_rejected_samples",
+    "rejected_temperature",
+    "tasks",
+)
+# Columns a model computed (a reference's log-probs, a teacher's top-K): not the data. Their last bits may differ
+# between two launches of the same run (another GPU kernel), which would refuse the run's own requeue.
+MODEL_COLUMNS = (*REFERENCE_COLUMNS, *KTO_REFERENCE_COLUMNS, *TEACHER_COLUMNS)
 DATA_PREFIX = "data."
 # Settings a resume takes from the checkpoint whatever this run says: the saved optimizer and scheduler states
 # restore them (torch's load_state_dict keeps the saved param_groups; the scheduler its base_lrs).
@@ -109,24 +130,29 @@ def get_run_settings(args, streaming: bool, data: Mapping[str, Any] | None = Non
     return values
 
 
-def get_data_settings(data_args) -> dict[str, Any]:
-    """The fields of ``data_args`` (a job's data settings, e.g. :class:`hfacc.data.sft.DataArguments`) that decide
-    which rows a run trains on and how (:data:`DATA_SETTINGS`); those it lacks are left out."""
-    names = {f.name for f in dataclasses.fields(data_args)} if dataclasses.is_dataclass(data_args) else set()
-    values = {k: _json_value(getattr(data_args, k)) for k in DATA_SETTINGS if k in names}
-    if values.get("dataset_name") is not None:  # the embedded default's settings do not apply to a named dataset
-        values.pop("num_embedded_examples", None)
-        values.pop("embedded_dataset", None)
+def get_data_settings(*sources) -> dict[str, Any]:
+    """The fields of ``sources`` (a job's settings dataclasses, e.g. :class:`hfacc.data.sft.DataArguments`) that
+    decide which rows a run trains on and how (:data:`DATA_SETTINGS`); those they lack are left out, and the embedded
+    default's (:data:`EMBEDDED_SETTINGS`) with a named dataset."""
+    values: dict[str, Any] = {}
+    for source in sources:
+        names = {f.name for f in dataclasses.fields(source)} if dataclasses.is_dataclass(source) else set()
+        values.update({k: _json_value(getattr(source, k)) for k in DATA_SETTINGS if k in names})
+    if values.get("dataset_name") is not None:
+        for name in EMBEDDED_SETTINGS:
+            values.pop(name, None)
     return values
 
 
 def get_dataset_identity(dataset, processing_class=None, rows: int = 16) -> dict[str, Any]:
-    """What identifies the training set itself, where it is cheap: its number of rows, a sha256 of its first ``rows``
-    rows and its last one as they are fed to the collator (after tokenization, truncation and packing), and one of
-    the tokenizer's chat template.
+    """What identifies the training set itself, where it is cheap: its number of rows and a sha256 of its first
+    ``rows`` rows and its last one as they are fed to the collator (after tokenization, truncation and packing); of a
+    stream (:class:`hfacc.data.streaming.SFTStream`), a sha256 of its first ``rows`` examples; and one of the
+    tokenizer's chat template. Columns a model computed (:data:`MODEL_COLUMNS`) are left out.
 
     Not datasets' ``_fingerprint``: it is random wherever a map's function cannot be hashed (datasets says so once),
-    so the same run's requeue would read as another run."""
+    so the same run's requeue would read as another run. Rows edited in the middle of a dataset of the same size are
+    not seen (docs/reliability.md)."""
     values: dict[str, Any] = {}
     size = None
     if dataset is not None and hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
@@ -134,14 +160,21 @@ def get_dataset_identity(dataset, processing_class=None, rows: int = 16) -> dict
             size = len(dataset)
     if size is not None:
         values["num_rows"] = size
-        digest = hashlib.sha256()
-        for i in sorted({*range(min(rows, size)), size - 1} - {-1}):
-            digest.update(json.dumps(_plain(dataset[i]), sort_keys=True).encode())
-        values["rows_sha256"] = digest.hexdigest()[:16]
+        values["rows_sha256"] = _rows_sha256(dataset[i] for i in sorted({*range(min(rows, size)), size - 1} - {-1}))
+    elif hasattr(dataset, "first_examples"):  # a stream: its first examples, as training reads them
+        values["first_rows_sha256"] = _rows_sha256(dataset.first_examples(rows))
     template = getattr(processing_class, "chat_template", None)
     if isinstance(template, str):
         values["chat_template"] = hashlib.sha256(template.encode()).hexdigest()[:16]
     return values
+
+
+def _rows_sha256(rows) -> str:
+    digest = hashlib.sha256()
+    for row in rows:
+        row = {k: v for k, v in row.items() if k not in MODEL_COLUMNS} if isinstance(row, Mapping) else row
+        digest.update(json.dumps(_plain(row), sort_keys=True).encode())
+    return digest.hexdigest()[:16]
 
 
 def _plain(value: Any) -> Any:
@@ -586,6 +619,35 @@ def prepare_run(args, run: Mapping[str, Any], resume_from_checkpoint, model=None
 _said_data: set[str] = set()
 
 
+def check_run_before_loading(args, *data_sources, streaming: bool = False) -> None:
+    """What a job checks before it loads its model and builds its rows, with the settings it has then (the training
+    settings and ``data_sources``' data settings, :func:`get_data_settings`): a checkpoint that cannot be resumed, or
+    another run's (auto-resume, ``last``), or an output directory a new run may not write into, is one ConfigError
+    now, not after a model loaded or a short SFT ran. Nothing is said or written: the trainer checks again with the
+    rows' identity (:func:`get_dataset_identity`) and says what it finds, once.
+
+    The trainer resolves the checkpoint itself: a job passes it ``args.resume_from_checkpoint`` as given, never a
+    path resolved here (a named checkpoint of other settings is only a WARNING, so another run's data resolved to
+    one here would be continued)."""
+    run = get_run_settings(args, streaming, get_data_settings(*data_sources))
+    if getattr(args, "resume_with_changed_data", False):
+        run = _without_data(run)
+    remembered = [set(s) for s in (_said, _said_auto, _said_data)]
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        resume = args.resume_from_checkpoint
+        if resume in (None, False, "") and args.auto_resume_from_checkpoints:
+            resume = get_last_complete_checkpoint(args.output_dir, run)
+        checkpoint = resolve_checkpoint(resume, args.output_dir, run)
+        if not args.overwrite_output_dir:  # the trainer deletes them (and says so)
+            check_output_dir(args.output_dir, run, checkpoint is not None, main=False)
+    finally:
+        logger.disabled = disabled
+        for said, before in zip((_said, _said_auto, _said_data), remembered, strict=True):
+            said.clear()
+            said.update(before)
+
+
 def get_checkpoint_step(checkpoint: str | Path) -> int | None:
     """The optimizer step ``checkpoint`` was saved at (its trainer_state.json), or None if it cannot be read."""
     try:
@@ -756,6 +818,7 @@ __all__ = [
     "check_checkpoint_weights",
     "saved_under_original_names",
     "check_output_dir",
+    "check_run_before_loading",
     "checkpoint_problem",
     "complete_checkpoint",
     "get_auto_resume_checkpoint",

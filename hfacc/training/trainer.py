@@ -93,6 +93,9 @@ class TokenWeightedTrainer(Trainer):
     Args:
         objective: an :class:`hfacc.Objective` or its name; overrides ``args.objective``. Needed only for losses
             hfacc cannot infer from the model head.
+        data_settings: the settings that built ``train_dataset`` (a job's,
+            :func:`hfacc.training.checkpoint.get_data_settings`): with the rows' own identity, part of the run's
+            identity in its checkpoints, so that auto-resume and ``last`` never continue another data's run.
         model, args, *rest, **kwargs: as for ``transformers.Trainer``. ``args`` may be a plain
             ``TrainingArguments``: it is converted once to :class:`TokenWeightedArguments` (hfacc's defaults added).
 
@@ -117,8 +120,18 @@ class TokenWeightedTrainer(Trainer):
     data_settings: dict | None = None
     _initial_policy = None  # a resumed run's copy of the policy before its checkpoint loaded (the reference's)
 
-    def __init__(self, model=None, args=None, *rest, objective: Objective | str | None = None, **kwargs):
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        *rest,
+        objective: Objective | str | None = None,
+        data_settings: dict | None = None,
+        **kwargs,
+    ):
         args = as_token_weighted_arguments(args)
+        if data_settings is not None:
+            self.data_settings = dict(data_settings)
         if isinstance(kwargs.get("train_dataset", rest[1] if len(rest) > 1 else None), SFTStream):
             check_stream_training(args)  # before the stock __init__, whose error does not say what to set
         super().__init__(model, args, *rest, **kwargs)
