@@ -170,8 +170,9 @@ def _match_prefix_before_issue_21(renderer, tail, text, at):
     return next((b for b in reversed(renderer.token_boundaries(tail)) if text.startswith(tail[:b], at)), None)
 
 
-def _turn_end_before_issue_21(renderer, messages, k, tools, full):
-    """The turn's end as it was: its whole segment, and a marker only where the next message's segment opens."""
+def _turn_end_before_issue_21(renderer, full, k, own):
+    """The turn's end as it was: its whole segment (where its own text ends, ``own``, unread), and a marker only
+    where the next message's segment opens."""
     start, end = full.segments[k]
     text = full.text
     while end > start and text[end - 1].isspace():
@@ -285,6 +286,66 @@ def test_a_tool_result_the_template_drops_is_not_cut_from_the_answer():
     ids, labels, _, _ = encode_row(tokenizer, {"messages": messages}, 0, "messages")
     trained = tokenizer.decode([t for t, y in zip(ids, labels, strict=True) if y != -100])
     assert trained.startswith("Let me check: 22 C<|model|>") and trained.endswith("It is 22 C.</s>")
+
+
+TOOL_CALL = {"id": "a1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+
+def test_gemma4_trains_the_text_a_call_turn_writes_after_its_tool_results(caplog):
+    """Issue 37 item 6: Gemma 4 writes a call turn's text after the tool results, inside the same turn
+    (``<tool_response|>checking now<turn|>``). Before: the call was trained, neither that text nor the ``<turn|>``
+    closing the turn, and no warning. Now both are, the results still not; as a string or as text parts, with one
+    result or two, at the conversation's end or before a next answer."""
+    import logging
+
+    tokenizer = tokenizer_for("gemma4")
+    call = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
+    for content in ("checking now", [{"type": "text", "text": "checking now"}]):
+        for results in (["22 C, sunny"], ["22 C, sunny", "and windy"]):
+            for after in ([], [{"role": "assistant", "content": "It is 22 C."}]):
+                messages = [
+                    {"role": "user", "content": "What is the weather in Paris?"},
+                    {"role": "assistant", "content": content, "tool_calls": [TOOL_CALL]},
+                    *({"role": "tool", "tool_call_id": "a1", "content": r} for r in results),
+                    *after,
+                ]
+                with caplog.at_level(logging.WARNING, logger="hfacc"):
+                    ids, labels, _, unclosed = encode_row(tokenizer, {"messages": messages}, 0, "messages")
+                text = tokenizer.decode(ids, skip_special_tokens=False)
+                assert "<tool_response|>checking now<turn|>" in text
+                trained = [text[a:b] for a, b in trained_spans(tokenizer, text, ids, labels)]
+                assert trained == [call, "checking now<turn|>"] + ["It is 22 C.<turn|>"] * len(after)
+                assert unclosed == 0
+    assert "not trained" not in caplog.text
+
+
+def test_an_answer_a_template_writes_among_tool_results_untold_is_said_at_warning(caplog):
+    """Where the template writes the call turn's text after its tool results but cannot be read there (here it
+    also writes a marker before the call only when there is text, so the rendering without the text departs before
+    the results), the text is left out of the loss and a WARNING says which and why."""
+    import logging
+
+    from hfacc.data.chat import get_assistant_spans
+
+    template = (
+        "{%- for message in messages -%}{%- if message['role'] == 'user' -%}<|turn>user\n{{ message['content'] }}"
+        "<turn|>\n{%- elif message['role'] == 'assistant' -%}<|turn>model\n"
+        "{%- if message['content'] %}<|channel>{% endif -%}"
+        "{%- for call in message['tool_calls'] or [] %}<|tool_call>{{ call['function']['name'] }}<tool_call|>"
+        "{%- endfor -%}{%- for j in range(loop.index0 + 1, messages | length) -%}"
+        "{%- if messages[j]['role'] == 'tool' %}<|tool_response>{{ messages[j]['content'] }}<tool_response|>"
+        "{%- endif -%}{%- endfor -%}{{ message['content'] }}<turn|>\n{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt %}<|turn>model\n{% endif -%}"
+    )
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "checking now", "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "content": "22 C, sunny"},
+    ]
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        found = get_assistant_spans(tokenizer_for("gemma4"), messages, [1], chat_template=template)
+    assert [found.text[a:b] for a, b in found.spans] == ["<|channel><|tool_call>get_weather<tool_call|>"]
+    assert "assistant message 1 ('checking now')" in caplog.text and "not trained" in caplog.text
 
 
 @pytest.mark.parametrize("family", ["llama3", "gemma3", "phi3", "metharme"])

@@ -30,11 +30,12 @@ rendering (:func:`get_assistant_spans`):
    - the turn ends where its segment ends, less trailing whitespace (scaffolding such as the newline after
      ``<|im_end|>``), or earlier, where the template writes the messages that follow into the turn's segment while
      their own iterations write nothing (Gemma 4 renders the tool results after a call inside the call's
-     iteration): there the turn's text is what its iteration writes without them. A segment that does not end in a
-     special token has no end-of-turn marker of its own: the template ends the turn with the next message's role
-     marker (GLM-4 ``<|user|>``, ``<|observation|>``) or, after the last turn, with the special token it writes once
-     its loop is done (Jamba's ``<|eom|>``, Metharme's EOS). The model must learn to emit it to stop, so that token
-     is trained with the turn.
+     iteration): there the turn's text is what its iteration writes without them, and, where the template writes
+     the turn's text after them (Gemma 4's answer after the results, before ``<turn|>``), that text to the segment's
+     end as well. A segment that does not end in a special token has no end-of-turn marker of its own: the
+     template ends the turn with the next message's role marker (GLM-4 ``<|user|>``, ``<|observation|>``) or, after
+     the last turn, with the special token it writes once its loop is done (Jamba's ``<|eom|>``, Metharme's EOS).
+     The model must learn to emit it to stop, so that token is trained with the turn.
 
    Because segments come from the full rendering, everything the template writes for the turn there (reasoning it
    keeps, tool calls, channel headers, the end-of-turn marker) is trained, and nothing of another message is:
@@ -47,6 +48,7 @@ rendering (:func:`get_assistant_spans`):
 
 from __future__ import annotations
 
+import logging
 import re
 import weakref
 from collections.abc import Sequence
@@ -62,6 +64,7 @@ METHODS = {
 PROBE_TEXT = "hfacc probe"
 _MARK = "hfacc_loop_mark"
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+logger = logging.getLogger(__name__)
 
 
 class ChatTemplateError(ValueError):
@@ -120,13 +123,14 @@ def get_assistant_spans(
     for k in trainable:
         if full.segments[k] is None:  # written outside the template's loops (Nemotron-Nano-v2's last turn)
             start, end = _prefix_span(renderer, messages, k, tools, full.text, "the template writes it after its loop")
-            closed, by_prefix = renderer.special_at_end(full.text, end), by_prefix + 1
+            turn, closed, by_prefix = [(start, end)], renderer.special_at_end(full.text, end), by_prefix + 1
         else:
-            start = _turn_start(renderer, messages, k, tools, full)
-            end, closed = _turn_end(renderer, messages, k, tools, full)
+            turn, closed = _turn_spans(
+                renderer, messages, k, tools, full, _turn_start(renderer, messages, k, tools, full)
+            )
+            _warn_text_left_out(renderer, messages[k], k, full, turn)
         unclosed += not closed
-        if end > start:
-            spans.append((start, end))
+        spans += [(a, b) for a, b in turn if b > a]
     method = "segments" if not by_prefix else "prefix" if by_prefix == len(trainable) else "segments_and_prefix"
     return AssistantSpans(full.text, spans, METHODS[method], unclosed)
 
@@ -160,6 +164,7 @@ class ChatRenderer:
         self._boundaries: dict[str, list[int]] = {}
         self._checked: set = set()
         self.content_mode = self._probe_content_mode()
+        self.warned_left_out = False
 
     def same_as_reference(self, text: str, messages, tools) -> bool:
         """Whether ``text`` is what ``apply_chat_template`` renders. Checked once per shape of conversation (its
@@ -485,14 +490,31 @@ def _match_ignoring_whitespace(tail: str, text: str, at: int) -> int | None:
     return None if found is None else found.end() - at
 
 
-def _turn_end(renderer: ChatRenderer, messages, k, tools, full: Rendering) -> tuple[int, bool]:
-    """End of assistant message k's trained text, and whether it ends on an end-of-turn marker."""
+def _turn_spans(renderer: ChatRenderer, messages, k, tools, full: Rendering, start: int):
+    """The spans of assistant message k's trained text from ``start``, and whether the last ends on an end-of-turn
+    marker: one span, or two where the template writes the turn's text after the tool results it renders inside
+    the turn (Gemma 4: the call, the results, then the answer and ``<turn|>``): the text before them and the text
+    after them, the results left out."""
+    own, after = _own_end(renderer, messages, k, tools, full)
+    if after is None:
+        end, closed = _turn_end(renderer, full, k, own)
+        return [(start, end)], closed
+    end, closed = _turn_end(renderer, full, k, full.segments[k][1])
+    return [(start, _trimmed(full.text, start, own)), (after, end)], closed
+
+
+def _trimmed(text: str, start: int, end: int) -> int:
+    while end > start and text[end - 1].isspace():
+        end -= 1  # the newline after the end-of-turn token is scaffolding, not something to learn to emit
+    return end
+
+
+def _turn_end(renderer: ChatRenderer, full: Rendering, k: int, own: int) -> tuple[int, bool]:
+    """End of assistant message k's trained text, whose own text ends at ``own`` in its segment, and whether it
+    ends on an end-of-turn marker."""
     start, end = full.segments[k]
     text = full.text
-    own = _own_end(renderer, messages, k, tools, full)
-    trimmed = own
-    while trimmed > start and text[trimmed - 1].isspace():
-        trimmed -= 1  # the newline after the end-of-turn token is scaffolding, not something to learn to emit
+    trimmed = _trimmed(text, start, own)
     if renderer.special_at_end(text, trimmed):
         return trimmed, True
     if own < end:  # later messages' text follows in the segment: no marker of the next message to look for
@@ -507,15 +529,19 @@ def _turn_end(renderer: ChatRenderer, messages, k, tools, full: Rendering) -> tu
     return trimmed, False
 
 
-def _own_end(renderer: ChatRenderer, messages, k, tools, full: Rendering) -> int:
+def _own_end(renderer: ChatRenderer, messages, k, tools, full: Rendering) -> tuple[int, int | None]:
     """Where assistant message k's own text ends in its segment: before what the template wrote there for the
     messages right after it whose own loop iterations wrote nothing (Gemma 4 renders the tool results that follow a
-    tool call inside the call's iteration).
+    tool call inside the call's iteration); and where it resumes after them (None: it does not).
 
     The turn's own text is what its iteration writes without those messages: the segment of the conversation
     rendered without them (or, where the template refuses that, ending with turn k), as far as it agrees with the
     full one. Cut only where the text beyond holds such a message's content; else the segments differ for another
-    reason (a template that ends the last turn differently, GPT-OSS) and the segment stays whole.
+    reason (a template that ends the last turn differently, GPT-OSS) and the segment stays whole. Where the
+    template writes the turn's text after them (Gemma 4: ``<tool_response|>checking now<turn|>``), the turn
+    resumes where the conversation rendered with the turn's text emptied departs from the full one, past their
+    contents: from there to the segment's end the template wrote the turn's text and its end (:func:`_resumed`),
+    and the cut before them is read with the text emptied on both sides (the call's stop token, not the text).
     """
     start, end = full.segments[k]
     silent = k + 1
@@ -523,7 +549,16 @@ def _own_end(renderer: ChatRenderer, messages, k, tools, full: Rendering) -> int
         silent += 1
     contents = [c for c in (_text_of(m) for m in messages[k + 1 : silent]) if c.strip()]
     if not any(c in full.text[start:end] for c in contents):
-        return end
+        return end, None
+    resumed = _resumed(renderer, messages, k, tools, full, contents)
+    if resumed is not None:
+        bare_messages, bare, after = resumed
+        return _cut_before(renderer, bare_messages, k, silent, tools, bare, contents), after
+    return _cut_before(renderer, messages, k, silent, tools, full, contents), None
+
+
+def _cut_before(renderer: ChatRenderer, messages, k, silent, tools, full: Rendering, contents) -> int:
+    start, end = full.segments[k]
     for without in (messages[: k + 1] + messages[silent:], messages[: k + 1]):
         try:
             alone = renderer.render(without, tools)
@@ -541,6 +576,53 @@ def _own_end(renderer: ChatRenderer, messages, k, tools, full: Rendering) -> int
     raise ChatTemplateError(
         f"the chat template writes message {k + 1} inside assistant message {k}'s turn, and hfacc cannot tell where "
         "the assistant's text ends. Add {% generation %} markers to the chat template."
+    )
+
+
+def _resumed(renderer: ChatRenderer, messages, k, tools, full: Rendering, contents):
+    """``(messages with turn k's text emptied, their rendering, where turn k's text starts in full.text)`` where
+    the template writes that text after the contents of the messages it renders inside the turn; else None.
+
+    The two renderings agree up to the turn's text; it must start past every such content and be written there
+    (the template may rewrite it: then it is not found, and :func:`_warn_text_left_out` says so)."""
+    message = messages[k]
+    own_text = _text_of(message).strip()
+    if not own_text:
+        return None
+    emptied = {**message, "content": "" if isinstance(message.get("content"), str) else []}
+    bare_messages = [*messages[:k], emptied, *messages[k + 1 :]]
+    try:
+        bare = renderer.render(bare_messages, tools)
+    except ChatTemplateError:
+        return None
+    start, end = full.segments[k]
+    segment = bare.segments[k] if bare.segments is not None else None
+    if segment is None or segment[0] != start or bare.text[:start] != full.text[:start]:
+        return None
+    after = start + _common_prefix(full.text[start:end], bare.text[start : segment[1]], renderer.specials)
+    past = max(full.text.rfind(c, start, end) + len(c) for c in contents if c in full.text[start:end])
+    if after < past or own_text not in full.text[after:end]:
+        return None
+    return bare_messages, bare, after
+
+
+def _warn_text_left_out(renderer: ChatRenderer, message: dict, k: int, full: Rendering, turn) -> None:
+    """WARNING (once per template) where a trained turn's text is rendered in its segment but lies in none of its
+    trained spans: the template writes it among the messages it renders inside the turn, where hfacc cannot tell
+    it from theirs."""
+    own_text = _text_of(message).strip()
+    start, end = full.segments[k]
+    if renderer.warned_left_out or not own_text or own_text not in full.text[start:end]:
+        return
+    if any(own_text in full.text[a:b] for a, b in turn):
+        return
+    renderer.warned_left_out = True
+    logger.warning(
+        "hfacc: the chat template writes the text of assistant message %d (%r) among the tool results it renders "
+        "inside the same turn, where hfacc cannot tell the assistant's text from theirs: that text is not trained "
+        "(the turn's tool calls are). Add {%% generation %%} markers to the chat template to train it.",
+        k,
+        own_text[:40],
     )
 
 
