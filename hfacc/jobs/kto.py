@@ -28,11 +28,12 @@ import torch
 from transformers import set_seed
 
 from ..data.preference import DataCollatorForUnpairedPreference, build_preference_dataset
+from ..generation.evaluation import generate_answers
 from ..models.loading import ModelArguments, load_causal_lm, load_model_and_tokenizer
 from ..models.reference import precompute_reference_logps
 from ..objectives.kto import KTOObjective
 from ..ops.precision import get_training_autocast
-from ..runtime.config import get_default_config
+from ..runtime.config import ConfigError, get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import check_run_before_loading, get_data_settings
 from .console import describe_run, run_recipe, setup_console, use_console, write
@@ -45,6 +46,7 @@ from .dpo import (
     load_preference_rows,
     load_sft_start,
     refuse_label_smoothing,
+    sample_answers,
     train_between_evaluations,
 )
 from .report import save_loss_curve, write_json
@@ -85,7 +87,11 @@ def main(kto_args: KTOArguments, model_args: ModelArguments, args: TokenWeighted
     else:
         model, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
         started_from = model_args.model_name_or_path
-    raw_train, raw_eval, held_out = load_preference_rows(kto_args, model, tokenizer, args, embedded)
+    if embedded and kto_args.dataset_name is None:
+        with args.main_process_first(desc="building unpaired rows"):
+            raw_train, raw_eval, held_out = build_embedded_rows(model, tokenizer, kto_args, seed=args.seed)
+    else:
+        raw_train, raw_eval, held_out = load_preference_rows(kto_args, model, tokenizer, args, embedded)
     options = dict(max_length=kto_args.max_length, truncation=kto_args.truncation, unpaired=True)
     with args.main_process_first(desc="dataset tokenization"):
         train_ds = build_preference_dataset(raw_train, tokenizer, **options)
@@ -163,6 +169,57 @@ def main(kto_args: KTOArguments, model_args: ModelArguments, args: TokenWeighted
         )
         write(format_summary(metrics, args.output_dir))
     return metrics
+
+
+def build_embedded_rows(model, tokenizer, kto_args: KTOArguments, seed: int = 0):
+    """``(train rows, eval rows, held-out conversations)`` of unpaired rows from the starting model's own answers.
+
+    The prompts, greedy answers and samples are the DPO job's (:func:`hfacc.jobs.dpo.build_embedded_pairs`): each
+    prompt answered greedily and ``num_rejected_samples`` times sampled. Every distinct answer the model gave is a row,
+    desirable where it is the right answer and undesirable where it is not: KTO raises what the model already answers
+    right and lowers its own mistakes. The right answer is never added where the model did not give it: the pairs of
+    (right answer, own mistake) that the DPO job trains on, unpaired, lowered the full SFT output's held-out exact
+    match (0.78 -> 0.70; docs/reward_models_and_kto.md). The held-out conversations are all the held-out prompts.
+    """
+    import datasets
+
+    from ..data.embedded import generate_instruction_examples
+
+    examples = generate_instruction_examples(kto_args.num_embedded_prompts, seed=seed + 1)
+    prompts = [e["messages"][:-1] for e in examples]
+    greedy = generate_answers(model, tokenizer, prompts, max_new_tokens=kto_args.max_new_tokens, batch_size=64)
+    sampled = sample_answers(model, tokenizer, prompts, kto_args, seed=seed)
+    k = kto_args.num_rejected_samples
+    held = max(1, int(len(examples) * kto_args.eval_fraction))
+    train, evaluation = [], []
+    for i, example in enumerate(examples):
+        right = example["messages"][-1]["content"]
+        for answer in dict.fromkeys(a for a in [greedy[i], *sampled[i * k : (i + 1) * k]] if a):  # distinct, in order
+            row = {
+                "prompt": prompts[i],
+                "completion": [{"role": "assistant", "content": answer}],
+                "label": answer == right,
+                "task": example["task"],
+            }
+            (evaluation if i < held else train).append(row)
+    desirable = sum(r["label"] for r in train)
+    if desirable == 0 or desirable == len(train) or not evaluation:
+        raise ConfigError(
+            f"the starting model's answers to {len(examples) - held} embedded training prompts gave {desirable} right "
+            f"and {len(train) - desirable} wrong ones: KTO's own-answer rows need both. Raise --num_embedded_prompts "
+            "or --num_rejected_samples, or give rows with --dataset_name."
+        )
+    logger.warning(
+        "hfacc: %d unpaired rows from the starting model's own answers to %d embedded prompts (greedy and %d sampled "
+        "each, distinct): %d right ones desirable, %d mistakes undesirable.",
+        len(train) + len(evaluation),
+        len(examples),
+        k,
+        desirable + sum(r["label"] for r in evaluation),
+        len(train) + len(evaluation) - desirable - sum(r["label"] for r in evaluation),
+    )
+    held_out = [{"messages": e["messages"], "task": e["task"]} for e in examples[:held]]
+    return datasets.Dataset.from_list(train), datasets.Dataset.from_list(evaluation), held_out
 
 
 def warn_about_weights(labels: Sequence[bool], desirable_weight: float, undesirable_weight: float) -> None:
