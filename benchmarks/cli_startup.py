@@ -48,14 +48,19 @@ def time_process(code: str, path: Path) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--baseline", type=Path, help="another checkout of hfacc, timed beside this one")
-    args = parser.parse_args()
-    runs = [(name, code, HERE) for name, code in CONTENDERS.items()]
+    parser.add_argument("--quick", action="store_true", help="one round of `hfacc dpo --help` and what it stands on")
+    args = parser.parse_args(argv)
+    contenders, targets = CONTENDERS, TARGETS
+    if args.quick:
+        args.rounds, targets = 1, TARGETS[1:2]
+        contenders = {name: CONTENDERS[name] for name in targets[0][:2]}
+    runs = [(name, code, HERE) for name, code in contenders.items()]
     if args.baseline is not None:
-        runs += [(f"{name} [baseline]", code, args.baseline) for name, code in CONTENDERS.items() if "hfacc" in name]
+        runs += [(f"{name} [baseline]", code, args.baseline) for name, code in contenders.items() if "hfacc" in name]
     times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for round_ in range(args.rounds):
         order = runs if round_ % 2 == 0 else runs[::-1]
@@ -67,11 +72,12 @@ def main() -> None:
         print(f"{name:52s} {statistics.median(values):8.2f}   " + " ".join(f"{v:.2f}" for v in values))
     print()
     for suffix in ("", " [baseline]") if args.baseline else ("",):
-        for name, against, target in TARGETS:
+        for name, against, target in targets:
             ratios = [a / b for a, b in zip(times[name + suffix], times[against], strict=True)]
             ratio = statistics.median(ratios)
             verdict = "met" if ratio <= target else "NOT met"
             print(f"{name + suffix} / {against}: {ratio:.2f}x (target <= {target}x: {verdict})")
+    return times
 
 
 if __name__ == "__main__":

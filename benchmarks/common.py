@@ -95,3 +95,18 @@ class RSSSampler(TrainerCallback):
         self.peak = max(self.peak, rss)
         if state.global_step % self.every == 0:
             self.samples.append((state.global_step * self.scale, rss))
+
+
+def trl_version():
+    """TRL's version, or None where it is not installed (as in CI): the benchmarks then leave its contenders out."""
+    try:
+        import trl
+    except ImportError:
+        return None
+    return trl.__version__
+
+
+def add_quick(parser):
+    """``--quick``: tiny sizes and one round, TRL's contenders only where TRL is installed. tests/test_benchmarks.py
+    runs every script so, so that a changed signature or name cannot break one unseen; the figures mean nothing."""
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one round (the tests' smoke run)")

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_bench_examples, build_bench_model, count_targets, median  # noqa: E402
+from common import add_quick, build_bench_examples, build_bench_model, count_targets, median, trl_version  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -193,8 +193,7 @@ class EpochClock(TrainerCallback):
 
 
 def tokens_per_second(kind, cli, rows):
-    student = build_bench_model(cli.vocab, 256, 4)
-    teacher = build_bench_model(cli.vocab, 384, 4, seed=1)
+    student, teacher = models(cli)
     clock = EpochClock()
     with tempfile.TemporaryDirectory() as tmp:
         trainer = RUNNERS[kind](student, teacher, rows, tmp, BS, GA, learning_rate=1e-4)
@@ -203,25 +202,36 @@ def tokens_per_second(kind, cli, rows):
     return count_targets(rows) / clock.cpu[-1], count_targets(rows) / clock.wall[-1]
 
 
+def models(cli):
+    """The student and the teacher (hidden 256 and 384, 4 layers; --quick: 32 and 48, 1 layer)."""
+    layers = 1 if cli.quick else 4
+    student = build_bench_model(cli.vocab, 32 if cli.quick else 256, layers)
+    return student, build_bench_model(cli.vocab, 48 if cli.quick else 384, layers, seed=1)
+
+
 def memory(cli, rows):
     """Peak bytes of one micro-batch's forward and backward (student + teacher) for the 2 longest rows."""
     longest = sorted(rows, key=lambda r: -len(r["input_ids"]))[:BS]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        student, teacher = build_bench_model(cli.vocab, 256, 4), build_bench_model(cli.vocab, 384, 4, seed=1)
-        trainer = trl_distillation(student, teacher, longest, tmp, BS, 1, epochs=1)
-        trainer.model.train()
-        inputs = trainer._generate_and_score_completions([{"prompt": text(split(r)[0])} for r in longest])
-        out["trl DistillationTrainer"] = peak_memory(lambda: trainer.compute_loss(trainer.model, inputs).backward())
+        if cli.trl:
+            student, teacher = models(cli)
+            trainer = trl_distillation(student, teacher, longest, tmp, BS, 1, epochs=1)
+            trainer.model.train()
+            inputs = trainer._generate_and_score_completions([{"prompt": text(split(r)[0])} for r in longest])
+            out["trl DistillationTrainer"] = peak_memory(
+                lambda: trainer.compute_loss(trainer.model, inputs).backward()
+            )
 
-        student, teacher = build_bench_model(cli.vocab, 256, 4), build_bench_model(cli.vocab, 384, 4, seed=1)
-        trainer = trl_gkd(student, teacher, longest, tmp, BS, 1, epochs=1)
-        trainer.model.train()
-        batch = COLLATE(longest)
-        out["trl GKDTrainer"] = peak_memory(lambda: trainer.compute_loss(trainer.model, batch).backward())
+            student, teacher = models(cli)
+            trainer = trl_gkd(student, teacher, longest, tmp, BS, 1, epochs=1)
+            trainer.model.train()
+            gkd_batch = COLLATE(longest)
+            out["trl GKDTrainer"] = peak_memory(lambda: trainer.compute_loss(trainer.model, gkd_batch).backward())
 
-        student, teacher = build_bench_model(cli.vocab, 256, 4), build_bench_model(cli.vocab, 384, 4, seed=1)
+        student, teacher = models(cli)
         trainer = hfacc_objective(student, teacher, longest, tmp, BS, 1, epochs=1)
+        batch = COLLATE(longest)
         setup = trainer.setup_model(batch)  # the per-model decisions training takes: layout, loss path, teacher
         objective = trainer.objective
         laid = remove_padding(batch, setup.one_row) if setup.padding_free else batch
@@ -247,7 +257,7 @@ class Capture(TrainerCallback):
         self.grads.append(torch.cat([p.grad.flatten().clone() for p in self.model.parameters() if p.grad is not None]))
 
 
-def update_errors(include_trl=True, modes=("off-policy", "on-policy")):
+def update_errors(include_trl=True, modes=("off-policy", "on-policy"), splits=SPLITS):
     """Relative error of each trainer's accumulated gradient vs the big batch of the rows it trained (hfacc's alone
     without ``include_trl``: the tests run it so, and a change of the trainer's signatures cannot break it unseen)."""
     rows = uneven_examples()
@@ -273,7 +283,7 @@ def update_errors(include_trl=True, modes=("off-policy", "on-policy")):
         trained = rows if mode == "off-policy" else on_policy_rows
         want, _, _ = big_batch(make_student(), teacher, trained, beta=BETA, temperature=1.0, ce_weight=0.0)
         for name, runner, options in contenders:
-            for bs, ga in SPLITS:
+            for bs, ga in splits:
                 student = make_student()
                 with tempfile.TemporaryDirectory() as tmp:
                     trainer = runner(student, copy.deepcopy(teacher), rows, tmp, bs, ga, 1, learning_rate=0.0,
@@ -286,13 +296,16 @@ def update_errors(include_trl=True, modes=("off-policy", "on-policy")):
     return out
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    cli = parser.parse_args()
+    add_quick(parser)
+    cli = parser.parse_args(argv)
+    if cli.quick:
+        cli.rounds, cli.rows, cli.vocab = 1, 4, 256
     if cli.threads:
         torch.set_num_threads(cli.threads)
     import datasets
@@ -300,41 +313,48 @@ def main():
 
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()
-    import trl
+    version = trl_version()
+    cli.trl = version is not None
+    runners = [k for k in RUNNERS if cli.trl or not k.startswith("trl")]
 
-    rows = build_bench_examples(cli.rows, cli.vocab)
+    rows = build_bench_examples(cli.rows, cli.vocab, lengths=(8, 40) if cli.quick else (56, 452))
+    student, teacher = models(cli)
     print(
-        f"TRL {trl.__version__}; {cli.rows} rows ({count_targets(rows)} student target tokens), bs {BS} x GA {GA}, "
-        f"vocab {cli.vocab}, student hidden 256 / teacher 384, 4 layers each, fp32, torch threads "
+        f"TRL {version or 'not installed: its contenders left out'}; {cli.rows} rows ({count_targets(rows)} student "
+        f"target tokens), bs {BS} x GA {GA}, vocab {cli.vocab}, student hidden {student.config.hidden_size} / "
+        f"teacher {teacher.config.hidden_size}, {student.config.num_hidden_layers} layers each, fp32, torch threads "
         f"{torch.get_num_threads()}"
     )
-    speed = {k: [] for k in RUNNERS}
-    wall = {k: [] for k in RUNNERS}
+    speed = {k: [] for k in runners}
+    wall = {k: [] for k in runners}
     for r in range(cli.rounds):
-        for kind in list(RUNNERS) if r % 2 == 0 else list(RUNNERS)[::-1]:
+        for kind in runners if r % 2 == 0 else runners[::-1]:
             cpu, seconds = tokens_per_second(kind, cli, rows)
             speed[kind].append(cpu)
             wall[kind].append(seconds)
-        print(f"round {r + 1}: " + ", ".join(f"{k} {speed[k][-1]:.0f}" for k in RUNNERS) + " tokens/s (CPU time)",
+        print(f"round {r + 1}: " + ", ".join(f"{k} {speed[k][-1]:.0f}" for k in runners) + " tokens/s (CPU time)",
               flush=True)  # fmt: skip
     peak = memory(cli, rows)
-    base = "trl DistillationTrainer"
-    print("\n| contender | student tokens/s (CPU time, median) | wall | vs TRL DistillationTrainer | micro-batch peak MiB "
-          "| vs TRL DistillationTrainer |")  # fmt: skip
+    base = runners[0]
+    print(
+        f"\n| contender | student tokens/s (CPU time, median) | wall | vs {base} | micro-batch peak MiB | vs {base} |"
+    )
     print("|---|---|---|---|---|---|")
-    for kind in RUNNERS:
+    for kind in runners:
         ratio = median([a / b for a, b in zip(speed[kind], speed[base], strict=True)])
         mem = peak[kind] / 2**20
         print(f"| {kind} | {median(speed[kind]):.0f} | {median(wall[kind]):.0f} | {ratio:.2f}x | {mem:.1f} | "
               f"{peak[kind] / peak[base]:.2f}x |")  # fmt: skip
     print(f"(hfacc: {peak['hfacc layout']})")
-    errors = update_errors()
+    splits = SPLITS[::3] if cli.quick else SPLITS  # --quick: 8 x 1 and 4 x 2
+    errors = update_errors(include_trl=cli.trl, splits=splits)
     print("\nupdate error vs the big batch of the rows trained (tiny Llamas, 8 rows, completions 2-50 tokens, fp32):")
-    print("| rows | trainer | " + " | ".join(f"{bs} x {ga}" for bs, ga in SPLITS) + " |")
-    print("|---|---|" + "---|" * len(SPLITS))
+    print("| rows | trainer | " + " | ".join(f"{bs} x {ga}" for bs, ga in splits) + " |")
+    print("|---|---|" + "---|" * len(splits))
     for mode, name in dict.fromkeys((m, n) for m, n, _, _ in errors):
-        values = " | ".join(f"{errors[(mode, name, bs, ga)]:.1e}" for bs, ga in SPLITS)
+        values = " | ".join(f"{errors[(mode, name, bs, ga)]:.1e}" for bs, ga in splits)
         print(f"| {mode} | {name} | {values} |")
+    return errors
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_bench_model, median  # noqa: E402
+from common import add_quick, build_bench_model, median, trl_version  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -157,15 +157,12 @@ def memory(cli, pairs):
     longest = sorted(pairs, key=lambda p: -len(p["chosen_input_ids"]) - len(p["rejected_input_ids"]))[:BS]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_bench_model(cli.vocab, cli.hidden, cli.layers)
-        trainer = trl_trainer(model, copy.deepcopy(model), longest, tmp, BS, 1, epochs=1)
-        batch = trainer.data_collator(trl_rows(longest))
-
-        def trl_step():
-            trainer.compute_loss(trainer.model, batch).backward()
-
-        trainer.model.train()
-        results["trl"] = peak_memory(trl_step, cli.device)
+        if cli.trl:
+            model = build_bench_model(cli.vocab, cli.hidden, cli.layers)
+            trainer = trl_trainer(model, copy.deepcopy(model), longest, tmp, BS, 1, epochs=1)
+            trl_batch = trainer.data_collator(trl_rows(longest))
+            trainer.model.train()
+            results["trl"] = peak_memory(lambda: trainer.compute_loss(trainer.model, trl_batch).backward(), cli.device)
 
         model = build_bench_model(cli.vocab, cli.hidden, cli.layers)
         trainer = hfacc_trainer(model, copy.deepcopy(model), longest, tmp, BS, 1, epochs=1)
@@ -196,15 +193,15 @@ class Capture(TrainerCallback):
         self.grads.append(torch.cat([p.grad.flatten().clone() for p in self.model.parameters() if p.grad is not None]))
 
 
-def update_errors():
+def update_errors(kinds=("trl", "hfacc"), splits=SPLITS):
     """Relative error of the accumulated gradient vs the hand-written big batch, as the issue measured it."""
     from hfacc import build_tiny_llama
 
     pairs = make_pairs(8, 64, seed=0)
     out = {}
     for nll in (0.0, 1.0):
-        for bs, ga in SPLITS:
-            for kind in ("trl", "hfacc"):
+        for bs, ga in splits:
+            for kind in kinds:
                 model = build_tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, seed=0)
                 want, _ = big_batch(model, pairs, "sigmoid", reference_logps(model, pairs), nll, beta=0.1, eps=0.0)
                 with tempfile.TemporaryDirectory() as tmp:
@@ -219,7 +216,7 @@ def update_errors():
                     trainer.train()
                 got = capture.grads[0].double()
                 out[(nll, bs, ga, kind)] = ((got - want.double()).norm() / want.double().norm()).item()
-                if (bs, ga) == SPLITS[0]:
+                if (bs, ga) == splits[0]:
                     own = got  # the trainer's own bs 8 x GA 1 step, what the issue compared TRL with
                 out[(nll, bs, ga, kind, "own")] = ((got - own).norm() / own.norm()).item()
     return out
@@ -275,7 +272,7 @@ def check_losses():
     return worst
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--pairs", type=int, default=32)
@@ -285,7 +282,10 @@ def main():
     parser.add_argument("--device", default="cpu", choices=["cpu"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--check-losses", action="store_true", help="re-run TRL's loss code on the tests' log-probs")
-    cli = parser.parse_args()
+    add_quick(parser)
+    cli = parser.parse_args(argv)
+    if cli.quick:
+        cli.rounds, cli.pairs, cli.vocab, cli.hidden, cli.layers = 1, 8, 256, 32, 1
     if cli.threads:
         torch.set_num_threads(cli.threads)
     import datasets
@@ -293,40 +293,44 @@ def main():
 
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()
-    import trl
+    version = trl_version()
+    cli.trl = version is not None
+    kinds = [k for k in RUNNERS if cli.trl or k != "trl"]
 
-    if cli.check_losses:
-        print(f"TRL {trl.__version__}'s loss code vs the values in tests/test_preference.py: {check_losses():.1e}")
-    pairs = build_pairs(cli.pairs, cli.vocab)
+    if cli.check_losses and cli.trl:
+        print(f"TRL {version}'s loss code vs the values in tests/test_preference.py: {check_losses():.1e}")
+    pairs = build_pairs(cli.pairs, cli.vocab, **(dict(prompts=(4, 24), answers=(2, 24)) if cli.quick else {}))
     tokens = sum(len(p["chosen_input_ids"]) + len(p["rejected_input_ids"]) for p in pairs)
     print(
-        f"TRL {trl.__version__}; {cli.pairs} pairs ({tokens} tokens), bs {BS} x GA {GA}, vocab {cli.vocab}, hidden "
-        f"{cli.hidden}, {cli.layers} layers, fp32, torch threads {torch.get_num_threads()}"
+        f"TRL {version or 'not installed: its contenders left out'}; {cli.pairs} pairs ({tokens} tokens), bs {BS} x "
+        f"GA {GA}, vocab {cli.vocab}, hidden {cli.hidden}, {cli.layers} layers, fp32, torch threads "
+        f"{torch.get_num_threads()}"
     )
-    speed = {k: [] for k in RUNNERS}
+    speed = {k: [] for k in kinds}
     for r in range(cli.rounds):
-        for kind in list(RUNNERS) if r % 2 == 0 else list(RUNNERS)[::-1]:
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
             speed[kind].append(pairs_per_second(kind, cli, pairs))
-        print(f"round {r + 1}: " + ", ".join(f"{k} {speed[k][-1]:.2f}" for k in RUNNERS) + " pairs/s", flush=True)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {speed[k][-1]:.2f}" for k in kinds) + " pairs/s", flush=True)
     peak = memory(cli, pairs)
-    ratio = median([a / b for a, b in zip(speed["hfacc"], speed["trl"], strict=True)])
-    print("\n| contender | pairs/s (median) | vs TRL | micro-batch peak MiB | vs TRL |")
+    base = kinds[0]
+    print(f"\n| contender | pairs/s (median) | vs {base} | micro-batch peak MiB | vs {base} |")
     print("|---|---|---|---|---|")
-    for kind in RUNNERS:
+    for kind in kinds:
+        ratio = median([a / b for a, b in zip(speed[kind], speed[base], strict=True)])
         mem = peak[kind] / 2**20
-        vs = ratio if kind == "hfacc" else 1.0
-        print(f"| {kind} | {median(speed[kind]):.2f} | {vs:.2f}x | {mem:.1f} | {peak[kind] / peak['trl']:.2f}x |")
+        print(f"| {kind} | {median(speed[kind]):.2f} | {ratio:.2f}x | {mem:.1f} | {peak[kind] / peak[base]:.2f}x |")
     print(f"(hfacc: {peak['hfacc layout']})")
-    errors = update_errors()
+    splits = SPLITS[::3] if cli.quick else SPLITS  # --quick: 8 x 1 and the ragged 3 x 3
+    errors = update_errors(kinds, splits)
     print("\nupdate error vs the big batch (tiny Llama, 8 pairs, answers 1-14 tokens, fp32):")
-    print("| loss | bs x GA | TRL DPOTrainer | (vs its own 8 x 1) | hfacc | (vs its own 8 x 1) |")
-    print("|---|---|---|---|---|---|")
+    print("| loss | bs x GA | " + " | ".join(f"{k} | (vs its own {splits[0][0]} x 1)" for k in kinds) + " |")
+    print("|---|---|" + "---|---|" * len(kinds))
     for nll in (0.0, 1.0):
-        for bs, ga in SPLITS:
-            trl_error, ours = errors[(nll, bs, ga, "trl")], errors[(nll, bs, ga, "hfacc")]
-            trl_own, our_own = errors[(nll, bs, ga, "trl", "own")], errors[(nll, bs, ga, "hfacc", "own")]
+        for bs, ga in splits:
             name = "sigmoid + NLL (1.0)" if nll else "sigmoid"
-            print(f"| {name} | {bs} x {ga} | {trl_error:.1e} | {trl_own:.1e} | {ours:.1e} | {our_own:.1e} |")
+            cells = [f"{errors[(nll, bs, ga, k)]:.1e} | {errors[(nll, bs, ga, k, 'own')]:.1e}" for k in kinds]
+            print(f"| {name} | {bs} x {ga} | " + " | ".join(cells) + " |")
+    return errors
 
 
 if __name__ == "__main__":

@@ -134,14 +134,17 @@ def rows(config, dtype, results):
         yield [config, dtype, procs, f"config without an overflow check: {refused}"]
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default=None, help="fp32, bf16 or fp32,bf16 (default: both on GPUs, fp32 on CPU)")
     parser.add_argument("--cpu", action="store_true", help="run on 2 CPU processes (gloo), as the tests do")
     parser.add_argument("--configs", default=",".join(c for c, _ in CONFIGS), help="comma-separated config names")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch")
     parser.add_argument("--json", default=None, help="also write every result to this file")
-    cli = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="the single_device config on CPU, fp32 (the tests' run)")
+    cli = parser.parse_args(argv)
+    if cli.quick:
+        cli.cpu, cli.dtype, cli.configs = True, "fp32", "single_device"
 
     import torch
 
@@ -168,6 +171,7 @@ def main():
         print("| " + " | ".join(row + [""] * (len(header) - len(row))) + " |")
     if cli.json:
         Path(cli.json).write_text(json.dumps(everything, indent=2))
+    return everything
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import add_quick, trl_version  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -51,6 +52,14 @@ from hfacc.data.embedded import build_default_model, build_default_tokenizer, ge
 from hfacc.runtime.memory import peak_memory  # noqa: E402
 
 BS, GA, G, L = 32, 2, 8, 32
+QUICK = False  # --quick: a tiny policy and rollout (set by main)
+
+
+def policy(tokenizer, device):
+    """The embedded default (Llama, 2 layers, hidden 256); --quick: hidden 32, one layer."""
+    if QUICK:
+        return build_tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, seed=0).to(device)
+    return build_default_model(tokenizer, seed=0).to(device)
 
 
 def length_reward(prompts, completions, **kwargs):
@@ -140,11 +149,12 @@ def run_trl(model, tokenizer, prompts, steps, out, device, **settings):
 
 def speed(args):
     tokenizer = build_default_tokenizer()
-    prompts = prompts_dataset(4096)
-    results = {"hfacc": [], "trl": []}
+    prompts = prompts_dataset(64 if QUICK else 4096)
+    kinds = args.kinds
+    results = {k: [] for k in kinds}
     for r in range(args.rounds):
-        for kind in ("hfacc", "trl") if r % 2 == 0 else ("trl", "hfacc"):
-            model = build_default_model(tokenizer, seed=0).to(args.device)
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
+            model = policy(tokenizer, args.device)
             run = run_hfacc if kind == "hfacc" else run_trl
             with tempfile.TemporaryDirectory() as out:
                 trainer, timer = run(model, tokenizer, prompts, args.steps, out, args.device)
@@ -161,8 +171,8 @@ def speed(args):
             )
             print(f"round {r + 1} {kind:6s} " + "  ".join(f"{k} {v:.2f}" for k, v in results[kind][-1].items()))
     memory = {}
-    for kind in ("hfacc", "trl"):
-        model = build_default_model(tokenizer, seed=0).to(args.device)
+    for kind in kinds:
+        model = policy(tokenizer, args.device)
         run = run_hfacc if kind == "hfacc" else run_trl
         with tempfile.TemporaryDirectory() as out:
             memory[kind] = peak_memory(
@@ -172,7 +182,7 @@ def speed(args):
     print(
         f"{'contender':10s} {'train tok/s':>12s} {'gen tok/s':>10s} {'s/step':>7s} {'gen share':>9s} {'peak MiB':>9s}"
     )
-    for kind in ("trl", "hfacc"):
+    for kind in kinds[::-1]:
         rows = results[kind]
         # Each figure's median over the rounds (statistics.median: the mean of the middle two for an even count, not
         # the upper one, which would favour whoever had the noisier round).
@@ -351,12 +361,11 @@ def hfacc_gradient(model, rows, bs, ga):
     return grad
 
 
-def normalization():
+def trl_grpo_for_losses(model, tokenizer):
+    """TRL's GRPOTrainer, for its loss code alone."""
     from trl import GRPOConfig
     from trl import GRPOTrainer as TRLGRPOTrainer
 
-    tokenizer = build_default_tokenizer()
-    model = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, seed=0)
     with tempfile.TemporaryDirectory() as out, contextlib.redirect_stdout(sys.stderr):
         config = GRPOConfig(
             output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=GA * 2, num_generations=2,
@@ -365,6 +374,16 @@ def normalization():
         trainer = TRLGRPOTrainer(
             model, [length_reward], config, train_dataset=prompts_dataset(16), processing_class=tokenizer
         )
+    return trainer
+
+
+def normalization(include_trl=True):
+    """The accumulated gradient's error on a fixed rollout (TRL's loss code only where TRL is installed)."""
+    tokenizer = build_default_tokenizer()
+    model = build_tiny_llama(vocab_size=len(tokenizer), hidden_size=32, num_layers=1, seed=0)
+    trainer = None
+    if include_trl:
+        trainer = trl_grpo_for_losses(model, tokenizer)
     model.train()
     rows = fixed_rollout(model, 8, seed=0, vocab=64)
     tokens = sum(len(r["completion"]) for r in rows)
@@ -375,40 +394,51 @@ def normalization():
 
     print("\nrelative error of the accumulated gradient vs the big batch, fixed rollout of 8 completions "
           f"({[len(r['completion']) for r in rows]} tokens), bs 2 x GA 4:")  # fmt: skip
-    for loss_type in ("bnpo", "dapo"):
+    for loss_type in ("bnpo", "dapo") if trainer is not None else ():
         print(
             f"  TRL loss_type={loss_type!r:9s} {error(trl_gradient(trainer, model, rows, 2, 4, loss_type, tokens)):.2e}"
         )
-    print(f"  hfacc loss_type='token'   {error(hfacc_gradient(model, rows, 2, 4)):.2e}")
+    errors = {"ragged": error(hfacc_gradient(model, rows, 2, 4))}
+    print(f"  hfacc loss_type='token'   {errors['ragged']:.2e}")
     # steps_per_generation = 2 x GA: 16 completions, two optimizer steps of 8 (lr 0: the same weights).
     more = fixed_rollout(model, 16, seed=1, vocab=64)
     generation_tokens = sum(len(r["completion"]) for r in more)
-    trainer.args.steps_per_generation = 2 * 4
     second = more[8:]
     want = big_batch_gradient(model, second)
     print(f"steps_per_generation = 2 x GA, the second step ({sum(len(r['completion']) for r in second)} of "
           f"{generation_tokens} tokens):")  # fmt: skip
-    print(
-        f"  TRL loss_type='dapo'      {error(trl_gradient(trainer, model, second, 2, 4, 'dapo', generation_tokens)):.2e}"
-    )
-    print(f"  hfacc loss_type='token'   {error(hfacc_gradient(model, second, 2, 4)):.2e}")
+    if trainer is not None:
+        trainer.args.steps_per_generation = 2 * 4
+        trl_error = error(trl_gradient(trainer, model, second, 2, 4, "dapo", generation_tokens))
+        print(f"  TRL loss_type='dapo'      {trl_error:.2e}")
+    errors["second step"] = error(hfacc_gradient(model, second, 2, 4))
+    print(f"  hfacc loss_type='token'   {errors['second step']:.2e}")
+    return errors
 
 
-def main():
+def main(argv=None):
+    global BS, GA, G, L, QUICK
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip_speed", action="store_true")
     parser.add_argument("--engines", action="store_true", help="part 3: transformers generate vs vLLM (needs vLLM)")
-    args = parser.parse_args()
+    add_quick(parser)
+    args = parser.parse_args(argv)
+    if args.quick:  # two steps (the first is dropped as warm-up) of 4 completions of at most 8 tokens x GA 2
+        QUICK, BS, G, L, args.steps, args.rounds = True, 4, 2, 8, 2, 1
+    version = trl_version()
+    args.kinds = ["hfacc", "trl"] if version else ["hfacc"]
+    if not version:
+        print("TRL not installed: its contenders left out")
     torch.set_num_threads(max(1, torch.get_num_threads()))  # before vLLM starts: it freezes the thread count
     if args.engines:
         engines(args)
-        return
+        return None
     if not args.skip_speed:
         speed(args)
-    normalization()
+    return normalization(include_trl=version is not None)
 
 
 if __name__ == "__main__":

@@ -206,7 +206,7 @@ def short(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def main():
+def main(argv=None):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -217,7 +217,10 @@ def main():
         "--longest", type=int, default=256, help="the training data's longest sequence: rows checked that long"
     )
     parser.add_argument("--curated", action="store_true", help="also the families the tests build by hand")
-    cli = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="llama and qwen2 only, rows of 64 (the tests' run)")
+    cli = parser.parse_args(argv)
+    if cli.quick:
+        cli.families, cli.longest = "llama,qwen2", 64
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     from transformers.utils import logging as hf_logging
@@ -279,6 +282,7 @@ def main():
         key = got[0].split(":")[0]
         tally[key] = tally.get(key, 0) + 1
     print("fp32 paths: " + ", ".join(f"{k} {v}" for k, v in sorted(tally.items())))
+    return dict(rows)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RSSSampler  # noqa: E402
+from common import RSSSampler, add_quick  # noqa: E402
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer
 from hfacc.data.embedded import build_default_model, build_default_tokenizer, generate_instruction_examples
@@ -57,11 +57,12 @@ def soak(steps: int = 3000, every: int = 100, warmup: int = 300) -> dict:
     return {"samples": sampler.samples, "growth_mib": growth, "mib_per_1000_steps": 1000 * growth / span}
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3000)
-    cli = parser.parse_args()
-    result = soak(cli.steps)
+    add_quick(parser)
+    cli = parser.parse_args(argv)
+    result = soak(20, every=5, warmup=5) if cli.quick else soak(cli.steps)
     for step, rss in result["samples"]:
         print(f"step {step:6d}  RSS {rss:8.1f} MiB")
     print(

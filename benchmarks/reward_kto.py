@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_bench_model, median  # noqa: E402
+from common import add_quick, build_bench_model, median, trl_version  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from dpo import Capture, common_args, word_tokenizer  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
@@ -70,8 +70,8 @@ KTO_SETTINGS = [(0.5, 1.0, 1.0), (1.0, 1.0, 1.5)]  # (beta, desirable_weight, un
 
 
 # ---- the same data for both trainers -------------------------------------------------------------------------------
-def bench_pairs(n, vocab, seed=0):
-    pairs = make_pairs(n, vocab, seed=seed, answer_lengths=(8, 256), prompt_lengths=(32, 256))
+def bench_pairs(n, vocab, seed=0, prompts=(32, 256), answers=(8, 256)):
+    pairs = make_pairs(n, vocab, seed=seed, answer_lengths=answers, prompt_lengths=prompts)
     for i, p in enumerate(pairs):
         p["margin"] = 0.25 * (i % 3)
     return pairs
@@ -195,7 +195,7 @@ def memory(method, cli, data):
     longest = sorted(data, key=lambda e: -size(e))[:BS]
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("trl", "hfacc"):
+        for kind in cli.kinds:
             if method == "reward":
                 model = as_reward_model(build_bench_model(cli.vocab, cli.hidden, cli.layers), pad_token_id=0)
                 trainer = (trl_reward_trainer if kind == "trl" else hfacc_reward_trainer)(
@@ -243,14 +243,14 @@ def relative(got, want):
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-def update_errors():
+def update_errors(kinds=("trl", "hfacc"), splits=SPLITS, kto_settings=KTO_SETTINGS):
     """Relative error of each trainer's accumulated gradient vs the hand-written big batch (tiny models, fp32)."""
     from hfacc import build_tiny_llama
 
     out, own = {}, {}
     pairs = reward_pairs(8)
-    for bs, ga in SPLITS:
-        for kind in ("trl", "hfacc"):
+    for bs, ga in splits:
+        for kind in kinds:
             model = tiny_reward_model()
             want, _, _ = reward_big_batch(model, pairs, CENTER)
             with tempfile.TemporaryDirectory() as tmp:
@@ -260,13 +260,13 @@ def update_errors():
                 trainer.add_callback(capture)
                 trainer.train()
             out[("reward", bs, ga, kind)] = relative(capture.grads[0], want)
-            if (bs, ga) == SPLITS[0]:
+            if (bs, ga) == splits[0]:
                 own[kind] = capture.grads[0]  # the trainer's own bs 8 x GA 1 step
             out[("reward", bs, ga, kind, "own")] = relative(capture.grads[0], own[kind])
     rows = unpaired_rows(8)
-    for setting in KTO_SETTINGS:
-        for bs, ga in SPLITS:
-            for kind in ("trl", "hfacc"):
+    for setting in kto_settings:
+        for bs, ga in splits:
+            for kind in kinds:
                 model = build_tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, seed=0)
                 ref = build_tiny_llama(vocab_size=64, hidden_size=32, num_layers=1, seed=1)
                 with torch.no_grad():
@@ -282,7 +282,7 @@ def update_errors():
                     trainer.add_callback(capture)
                     trainer.train()
                 out[("kto", setting, bs, ga, kind)] = relative(capture.grads[0], want)
-                if (bs, ga) == SPLITS[0]:
+                if (bs, ga) == splits[0]:
                     own[kind] = capture.grads[0]
                 out[("kto", setting, bs, ga, kind, "own")] = relative(capture.grads[0], own[kind])
     return out
@@ -350,7 +350,7 @@ def check_losses():
     return worst
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rows", type=int, default=32, help="pairs (KTO: their 2x unpaired rows)")
@@ -361,60 +361,65 @@ def main():
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--check-losses", action="store_true", help="re-run TRL's loss code on the tests' values")
     parser.add_argument("--only", choices=["reward", "kto"], default=None, help="one method only")
-    cli = parser.parse_args()
+    add_quick(parser)
+    cli = parser.parse_args(argv)
+    if cli.quick:
+        cli.rounds, cli.rows, cli.vocab, cli.hidden, cli.layers = 1, 8, 256, 32, 1
     if cli.threads:
         torch.set_num_threads(cli.threads)
     import datasets
-    import trl
     from transformers.utils import logging as hf_logging
 
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()
-    if cli.check_losses:
-        print(f"TRL {trl.__version__}'s loss code vs the values in tests/test_reward.py, test_kto.py: "
-              f"{check_losses():.1e}")  # fmt: skip
-    pairs = bench_pairs(cli.rows, cli.vocab)
+    version = trl_version()
+    cli.kinds = ["trl", "hfacc"] if version else ["hfacc"]
+    if cli.check_losses and version:
+        print(f"TRL {version}'s loss code vs the values in tests/test_reward.py, test_kto.py: {check_losses():.1e}")
+    pairs = bench_pairs(cli.rows, cli.vocab, **(dict(prompts=(4, 24), answers=(2, 24)) if cli.quick else {}))
     data = {"reward": pairs, "kto": unpair(pairs)}
+    base = cli.kinds[0]
     for method in [cli.only] if cli.only else ["reward", "kto"]:
         examples = data[method]
         unit = "pairs" if method == "reward" else "rows"
         tokens = sum(len(v) for e in examples for key, v in e.items() if key.endswith("input_ids"))
         print(
-            f"\n{method}: TRL {trl.__version__}; {len(examples)} {unit} ({tokens} tokens), bs {BS} x GA {GA}, vocab "
-            f"{cli.vocab}, hidden {cli.hidden}, {cli.layers} layers, fp32, torch threads {torch.get_num_threads()}"
+            f"\n{method}: TRL {version or 'not installed: its contenders left out'}; {len(examples)} {unit} ({tokens} "
+            f"tokens), bs {BS} x GA {GA}, vocab {cli.vocab}, hidden {cli.hidden}, {cli.layers} layers, fp32, torch "
+            f"threads {torch.get_num_threads()}"
         )
-        speed = {"trl": [], "hfacc": []}
+        speed = {k: [] for k in cli.kinds}
         for r in range(cli.rounds):
-            for kind in ("trl", "hfacc") if r % 2 == 0 else ("hfacc", "trl"):
+            for kind in cli.kinds if r % 2 == 0 else cli.kinds[::-1]:
                 speed[kind].append(throughput(method, kind, cli, examples))
             print(f"round {r + 1}: " + ", ".join(f"{k} {speed[k][-1][0]:.2f} (CPU {speed[k][-1][1]:.2f})"
                                                  for k in speed) + f" {unit}/s", flush=True)  # fmt: skip
         peak = memory(method, cli, examples)
-        print(f"\n| contender | {unit}/s wall (median) | {unit}/s CPU (median) | vs TRL (CPU) | micro-batch peak MiB | "
-              "vs TRL |")  # fmt: skip
+        print(f"\n| contender | {unit}/s wall (median) | {unit}/s CPU (median) | vs {base} (CPU) | micro-batch peak MiB "
+              f"| vs {base} |")  # fmt: skip
         print("|---|---|---|---|---|---|")
-        ratio = median([a[1] / b[1] for a, b in zip(speed["hfacc"], speed["trl"], strict=True)])
-        for kind in ("trl", "hfacc"):
+        for kind in cli.kinds:
+            ratio = median([a[1] / b[1] for a, b in zip(speed[kind], speed[base], strict=True)])
             wall, cpu = median([s[0] for s in speed[kind]]), median([s[1] for s in speed[kind]])
-            vs = ratio if kind == "hfacc" else 1.0
             mem = peak[kind] / 2**20
-            print(f"| {kind} | {wall:.2f} | {cpu:.2f} | {vs:.2f}x | {mem:.1f} | {peak[kind] / peak['trl']:.2f}x |")
+            print(f"| {kind} | {wall:.2f} | {cpu:.2f} | {ratio:.2f}x | {mem:.1f} | {peak[kind] / peak[base]:.2f}x |")
         print(f"(hfacc: {peak['hfacc layout']})")
-    errors = update_errors()
+    splits = SPLITS[::3] if cli.quick else SPLITS  # --quick: 8 x 1 and the ragged 3 x 3
+    settings = KTO_SETTINGS[1:] if cli.quick else KTO_SETTINGS
+    errors = update_errors(cli.kinds, splits, settings)
     print("\nupdate error vs the big batch (tiny models, 8 pairs / 8 unpaired rows, fp32):")
-    print("| loss | bs x GA | TRL | (vs its own 8 x 1) | hfacc | (vs its own 8 x 1) |")
-    print("|---|---|---|---|---|---|")
-    rows = [(f"reward (margins, centering {CENTER})", ("reward",), split) for split in SPLITS]
-    rows += [
-        (f"KTO (beta {s[0]}, weights {s[1]} / {s[2]})", ("kto", s), split) for s in KTO_SETTINGS for split in SPLITS
-    ]
+    print("| loss | bs x GA | " + " | ".join(f"{k} | (vs its own 8 x 1)" for k in cli.kinds) + " |")
+    print("|---|---|" + "---|---|" * len(cli.kinds))
+    rows = [(f"reward (margins, centering {CENTER})", ("reward",), split) for split in splits]
+    rows += [(f"KTO (beta {s[0]}, weights {s[1]} / {s[2]})", ("kto", s), split) for s in settings for split in splits]
     for name, key, (bs, ga) in rows:
         cells = []
-        for kind in ("trl", "hfacc"):
+        for kind in cli.kinds:
             error = errors[(*key, bs, ga, kind)]
             own = errors.get((*key, bs, ga, kind, "own"))
             cells += ["refused", "-"] if error is None else [f"{error:.1e}", f"{own:.1e}"]
         print(f"| {name} | {bs} x {ga} | " + " | ".join(cells) + " |")
+    return errors
 
 
 if __name__ == "__main__":

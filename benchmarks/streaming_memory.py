@@ -19,7 +19,7 @@ from pathlib import Path
 from datasets import IterableDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RSSSampler  # noqa: E402
+from common import RSSSampler, add_quick  # noqa: E402
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer
 from hfacc.data.embedded import build_default_model, build_default_tokenizer
@@ -71,11 +71,14 @@ def run(rows: int, steps: int, ga: int = 4) -> dict:
     return {"samples": sampler.samples, "growth_mib": last - first, "peak_mib": sampler.peak, "micro_batch": batch}
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--steps", type=int, default=300)
-    cli = parser.parse_args()
+    add_quick(parser)
+    cli = parser.parse_args(argv)
+    if cli.quick:
+        cli.rows, cli.steps = 400, 10
     result = run(cli.rows, cli.steps)
     print(f"micro-batches of {result['micro_batch']} examples, 4 per step, {cli.steps} steps")
     for rows_read, rss in result["samples"]:

@@ -48,34 +48,43 @@ def time_dispatch(accelerator, stream, collate, batches):
 
 
 def time_split(accelerator, stream, collate, batches):
-    loader = StreamBatches(stream, collate, batch_size=8, rank=accelerator.process_index, world_size=2)
+    loader = StreamBatches(
+        stream, collate, batch_size=8, rank=accelerator.process_index, world_size=accelerator.num_processes
+    )
     start = time.perf_counter()
     for i, _ in enumerate(loader):
         if i + 1 == batches:
             break
-    dist.barrier()  # the slower rank decides how fast training goes
+    if dist.is_initialized():
+        dist.barrier()  # the slower rank decides how fast training goes
     return time.perf_counter() - start
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=150)
-    cli = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="5 batches, one process allowed (the tests' run)")
+    cli = parser.parse_args(argv)
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=True)
-    assert accelerator.num_processes == 2, "run with torchrun --nproc_per_node 2"
+    if cli.quick:
+        cli.batches = 5
+    else:
+        assert accelerator.num_processes == 2, "run with torchrun --nproc_per_node 2"
     tokenizer = build_default_tokenizer()
-    stream = chat_stream(tokenizer)
+    stream = chat_stream(tokenizer, n=1000 if cli.quick else 100_000)
     fixed = DataCollatorForCausalLM(tokenizer.pad_token_id, pad_to_multiple_of=256)
     times = {"dispatch": [], "split": []}
     for _ in range(2):
         times["dispatch"].append(time_dispatch(accelerator, stream, fixed, cli.batches))
         times["split"].append(time_split(accelerator, stream, fixed, cli.batches))
     if accelerator.is_main_process:
-        examples = 2 * 8 * cli.batches
+        examples = accelerator.num_processes * 8 * cli.batches
         result = {k: round(examples / min(v), 1) for k, v in times.items()}
         result["split / dispatch"] = round(result["split"] / result["dispatch"], 2)
         print(json.dumps({"examples_per_second": result, "seconds": times}, indent=1))
+        return result
+    return None
 
 
 if __name__ == "__main__":

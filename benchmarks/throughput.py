@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import build_bench_examples, build_bench_model, count_targets, median  # noqa: E402
+from common import add_quick, build_bench_examples, build_bench_model, count_targets, median, trl_version  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
@@ -182,8 +182,6 @@ def train_epochs(kind, cli, examples, targets):
 
 def memory_table(cli, examples):
     """Peak memory of the loss step and of a whole micro-batch step, for the micro-batch of the 8 longest."""
-    from trl.trainer.utils import add_fused_lm_head
-
     longest = sorted(examples, key=lambda e: -len(e["input_ids"]))[:BS]
     batch = {k: v.to(cli.device) for k, v in user_collator()(longest).items()}
     model = new_model(cli).to(cli.device)
@@ -229,7 +227,8 @@ def memory_table(cli, examples):
         loss.backward()
 
     results = {}
-    for kind, fn in {"stock": full_logits_loss, "trl": trl_loss, "hfacc": hfacc_loss}.items():
+    losses = {"stock": full_logits_loss, "trl": trl_loss, "hfacc": hfacc_loss}
+    for kind, fn in losses.items() if cli.trl else [(k, f) for k, f in losses.items() if k != "trl"]:
         model.zero_grad(set_to_none=True)
         results[("loss step", kind)] = peak_memory(fn, cli.device)
 
@@ -247,7 +246,10 @@ def memory_table(cli, examples):
         loss.backward()
 
     trl_model = new_model(cli).to(cli.device)
-    add_fused_lm_head(trl_model, outputs=("log_probs", "entropy", "is_top1"))
+    if cli.trl:
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(trl_model, outputs=("log_probs", "entropy", "is_top1"))
     one_row = remove_padding(batch, True)
 
     def step_trl(inputs):
@@ -266,6 +268,8 @@ def memory_table(cli, examples):
         "hfacc": lambda: step_hfacc(unpadded),
     }
     for kind, fn in steps.items():
+        if kind.startswith("trl") and not cli.trl:
+            continue
         model.zero_grad(set_to_none=True)
         trl_model.zero_grad(set_to_none=True)
         results[("whole step", kind)] = peak_memory(fn, cli.device)
@@ -282,7 +286,7 @@ def memory_table(cli, examples):
     return results
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--examples", type=int, default=32, help="examples per epoch")
@@ -296,7 +300,12 @@ def main():
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--baseline", default="", help="a checkout of hfacc: adds the contender hfacc_baseline")
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"], help="cpu: time epochs in CPU time")
-    cli = parser.parse_args()
+    add_quick(parser)
+    cli = parser.parse_args(argv)
+    lengths = (MIN_LEN, MAX_LEN)
+    if cli.quick:
+        cli.rounds, cli.examples, cli.vocab, cli.hidden, cli.layers, lengths = 1, 16, 256, 32, 1, (8, 48)
+    cli.trl = trl_version() is not None
     if cli.threads:
         torch.set_num_threads(cli.threads)
     import datasets
@@ -304,9 +313,11 @@ def main():
 
     datasets.disable_progress_bars()
     hf_logging.set_verbosity_error()
-    examples = build_bench_examples(cli.examples, vocab_size=cli.vocab, lengths=(MIN_LEN, MAX_LEN))
+    examples = build_bench_examples(cli.examples, vocab_size=cli.vocab, lengths=lengths)
     targets = count_targets(examples)
-    kinds = cli.contenders.split(",")
+    kinds = [k for k in cli.contenders.split(",") if cli.trl or not k.startswith("trl")]
+    if not cli.trl:
+        print("TRL not installed: its contenders left out")
     if cli.baseline:
         add_baseline(cli.baseline)
         kinds += [] if "hfacc_baseline" in kinds else ["hfacc_baseline"]
@@ -355,6 +366,7 @@ def main():
             f"| {loss_mem:.1f} | {loss_mem / ref_loss:.2f}x "
             f"| {step_mem:.1f} | {step_mem / ref_step:.2f}x |"
         )
+    return {"speed": speed, "memory": memory}
 
 
 if __name__ == "__main__":
