@@ -17,6 +17,8 @@ from accelerate.utils import DistributedType, extract_model_from_parallel
 from torch import nn
 from transformers.trainer_utils import has_length
 
+from .sequence_parallel import check_parallelism
+
 logger = logging.getLogger(__name__)
 
 
@@ -322,14 +324,8 @@ def trim_repeated_examples(
 
 
 def check_data_parallel(accelerator, is_fsdp_enabled: bool) -> None:
-    """Refuse what hfacc's counting does not cover (tensor/context/sequence parallelism, processes that train
-    alone), and say when an FSDP config silently became DDP."""
-    pc = getattr(accelerator, "parallelism_config", None)
-    if pc is not None and any(getattr(pc, f"{kind}_enabled", False) for kind in ("tp", "cp", "sp")):
-        raise NotImplementedError(
-            "hfacc counts targets per data-parallel rank; tensor, context and sequence parallelism are not "
-            "supported yet. Remove parallelism_config or use the stock Trainer."
-        )
+    """Refuse what hfacc's counting does not cover (tensor/context parallelism, processes that train alone), and say when an FSDP config silently became DDP."""
+    check_parallelism(accelerator)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != accelerator.num_processes:
         raise RuntimeError(

@@ -57,6 +57,15 @@ from ..runtime.distributed import (
     trim_repeated_examples,
     undo_evaluation_preparation,
 )
+from ..runtime.sequence_parallel import (
+    DataCollatorForSequenceParallel,
+    EqualLengthLoader,
+    check_sequence_parallel_objective,
+    get_sequence_parallel_gradient_scale,
+    get_sequence_parallel_size,
+    init_deepspeed_comm,
+    with_labels,
+)
 from ..setup.layout_check import require_packing_support
 from ..setup.model_setup import ModelSetup, build_model_setup
 from .arguments import TokenWeightedArguments, as_token_weighted_arguments, validate_settings
@@ -144,6 +153,10 @@ class TokenWeightedTrainer(Trainer):
                 "(objective='<name>' only says how targets are counted and combines with compute_loss_func.)"
             )
         check_data_parallel(self.accelerator, self.is_fsdp_enabled)
+        # DeepSpeed Ulysses: each sequence split over sp_size ranks (hfacc/runtime/sequence_parallel.py).
+        self.sp_size = get_sequence_parallel_size(self.accelerator)
+        if self.sp_size > 1:
+            init_deepspeed_comm()
         # A plain nn.Module without a `labels` argument would have its labels column removed by the Trainer.
         if not self.label_names:
             self.label_names = ["labels"]
@@ -178,6 +191,18 @@ class TokenWeightedTrainer(Trainer):
                 self.train_dataset, self.data_collator, self.args, self._stream_resume
             )
             return loader
+        if self.sp_size > 1:  # rows cut into sp_size shards by the engine: labels shifted before the cut
+            collator = self.data_collator
+            pad_id = getattr(collator, "pad_token_id", None) or 0
+            self.data_collator = DataCollatorForSequenceParallel(collator, self.sp_size, pad_id)
+            try:
+                loader = self._train_dataloader(budget)
+            finally:
+                self.data_collator = collator
+            return EqualLengthLoader(loader, pad_id) if torch.distributed.get_backend() == "gloo" else loader
+        return self._train_dataloader(budget)
+
+    def _train_dataloader(self, budget) -> DataLoader:
         if not budget:
             loader = super().get_train_dataloader()
             if has_length(self.train_dataset):  # where accelerate's repeats are, from the sizes alone
@@ -219,6 +244,13 @@ class TokenWeightedTrainer(Trainer):
             self._stream_position = take_stream_position(batch_samples) or self._stream_position
         else:
             batch_samples = list(islice(epoch_iterator, num_batches))
+        if self.sp_size > 1:
+            batch_samples = [with_labels(b) for b in batch_samples]
+        if self.sp_size > 1 and batch_samples and is_packed(batch_samples[0]):
+            raise NotImplementedError(
+                "packed rows with sp_size > 1: DeepSpeed Ulysses attends over a packed row as one causal sequence "
+                "(sdpa drops the mask); pad the rows (DataCollatorForCausalLM without packing) or set sp_size=1."
+            )
         if not self._packing_checked and batch_samples and is_packed(batch_samples[0]):
             self._packing_checked = True
             require_packing_support(self.model, self._prepare_inputs(batch_samples[0]))
@@ -227,7 +259,9 @@ class TokenWeightedTrainer(Trainer):
             # even on a rank whose only micro-batch repeats examples (they are cut below, by the objective's examples).
             self.setup_model(batch_samples[0])
         repeated = set()
-        if batch_samples and self.accelerator.num_processes > 1 and self._stream_batches is None:
+        # Under sequence parallelism the engine's loader draws one batch per rank of the sequence group; the ranks
+        # of a group see each other's batches, so accelerate's repeats are not where the epoch layout says.
+        if batch_samples and self.accelerator.num_processes > 1 and self._stream_batches is None and self.sp_size == 1:
             # The objective says what an example of a batch is (a preference pair is two rows).
             examples = self.objective.num_examples(batch_samples[-1])
             if self._epoch_cursor is None:  # the first window of this train() call
@@ -294,7 +328,8 @@ class TokenWeightedTrainer(Trainer):
             self._prepare_inputs(batch),
             self.accelerator,
             objective=self.objective if self.objective is not None else self._objective_setting,
-            padding_free=self.args.padding_free,
+            # Ulysses needs every rank of a sequence group to hold the same shape: padded rows.
+            padding_free=self.args.padding_free and self.sp_size == 1,
             fused_loss=self.args.fused_loss,
             normalization=self.args.normalization,
             chunk_size=self.args.loss_chunk_size,
@@ -307,6 +342,7 @@ class TokenWeightedTrainer(Trainer):
         )
         self._initial_policy = None  # the reference holds what it needs of it
         self.objective = self.model_setup.objective
+        check_sequence_parallel_objective(self.objective.name, self.sp_size)
         return self.model_setup
 
     def get_objective(self, batch: Mapping[str, Any]) -> Objective:
@@ -354,7 +390,10 @@ class TokenWeightedTrainer(Trainer):
                 self.window = self.open_window([inputs], self.args.device)
             window = self.window
             repeated = window.take()
-            world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
+            if self.sp_size > 1:  # DeepSpeed averages over the data-parallel ranks only, sums over the sequence ranks
+                world = get_sequence_parallel_gradient_scale(self.accelerator)
+            else:
+                world = get_gradient_scale(self.accelerator.distributed_type, self.accelerator.num_processes)
             with padded_neftune_noise(model, padded, inputs):  # NEFTune: stock's noise for the padded batch
                 loss, outputs, sums = compute_micro_batch_loss(
                     objective,
