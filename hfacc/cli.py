@@ -35,6 +35,7 @@ COMMANDS = {
     "kto": "KTO on unpaired rows, exact with the step's reference point (the job of recipes/kto.py)",
     "grpo": "online RL (GRPO, DAPO, Dr. GRPO) with exact accumulation (the job of recipes/grpo.py)",
     "distill": "knowledge distillation, exact per student token (the job of recipes/distill.py)",
+    "vllm-serve": "a vLLM server for vllm_mode='server' trainers (as trl vllm-serve; docs/vllm.md)",
     "verify": "check that accumulation equals one big batch for a model and data",
     "show-mask": "print examples with the tokens that carry loss highlighted",
 }
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" Did you mean '{close[0]}'?" if close else f" Commands: {', '.join(COMMANDS)}."
         print(f"error: hfacc has no command '{command}'.{hint} (hfacc --help lists them)", file=sys.stderr)
         return 2
+    if command == "vllm-serve":  # replaces this process with vLLM's server
+        from .jobs.vllm_serve import cli
+
+        return cli(rest, prog="hfacc vllm-serve")
     if command in JOBS:  # the recipe's own entry point: it sets up its console and its user errors itself
         job = importlib.import_module(f".jobs.{command}", __package__)
         return job.cli(rest, prog=f"hfacc {command}")

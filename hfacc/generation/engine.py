@@ -109,11 +109,14 @@ class Samples:
         truncated: whether each completion reached the length limit without EOS.
         logps: the sampler's log-prob of each sampled token (one list per completion, aligned with
             ``completion_ids``), or None when the engine is the policy itself (its log-probs are the trainer's own).
+        version: the weight version (the policy's optimizer step) they were sampled under, where the engine knows it
+            (a server sampling ahead of the trainer: ``async_generation``).
     """
 
     completion_ids: list[list[int]]
     truncated: list[bool]
     logps: list[list[float]] | None = None
+    version: int | None = None
 
 
 def get_sampling_seed(base_seed: int, generation: int, rank: int) -> int:
@@ -226,3 +229,19 @@ __all__ = [
     "left_pad",
     "sample_completions",
 ]
+
+
+def group_prompts(prompt_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
+    """Consecutive repeats of a prompt as one request of n samples: ``[(prompt, n), ...]`` in order.
+
+    >>> group_prompts([[1, 2], [1, 2], [3], [1, 2]])
+    [([1, 2], 2), ([3], 1), ([1, 2], 1)]
+    """
+    requests: list[tuple[list[int], int]] = []
+    for ids in prompt_ids:
+        ids = list(ids)
+        if requests and requests[-1][0] == ids:
+            requests[-1] = (ids, requests[-1][1] + 1)
+        else:
+            requests.append((ids, 1))
+    return requests

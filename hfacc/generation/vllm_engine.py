@@ -39,15 +39,22 @@ import shutil
 import tempfile
 import warnings
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from ..models.reference import iter_full_parameters, sharded_engine, unwrap_model
+from ..models.reference import unwrap_model
 from ..ops.model_io import get_base_model
-from .engine import GenerationEngine, Samples, SamplingSettings, TransformersEngine
+from .engine import GenerationEngine, Samples, SamplingSettings, TransformersEngine, group_prompts
+from .engine_weights import (  # noqa: F401 (their home was here: importable from here too)
+    check_engine_weights,
+    get_architecture,
+    get_checkpoint_name,
+    get_engine_weights,
+    get_expected_weights,
+)
+from .server_engine import ServerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -104,98 +111,6 @@ def quiet_vllm_logs() -> None:
     for handler in vllm_logger.handlers:  # children's records reach these: a filter on the logger would not see them
         if not any(isinstance(f, _ReloadNoise) for f in handler.filters):
             handler.addFilter(_ReloadNoise())
-
-
-def get_engine_weights(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The policy's weights as the engine loads them: ``(checkpoint name, whole tensor)`` of every parameter and
-    persistent buffer, in the names of the architecture's own checkpoints.
-
-    Wrappers (DDP, DeepSpeed, torch.compile, activation checkpointing) are removed; ZeRO-3 and FSDP2 parameters are
-    gathered one at a time (a collective: every rank calls this together); a PEFT model's adapters are merged into the
-    base weights for the copy and unmerged right after, and the adapters' own entries are left out.
-    """
-    policy = unwrap_model(model)
-    peft = callable(getattr(policy, "merge_adapter", None))
-    base = get_base_model(policy)
-    if peft and sharded_engine(base) is not None:
-        raise NotImplementedError(
-            "hfacc: vLLM with a PEFT policy sharded by ZeRO-3 or FSDP2 is not supported (merging the adapters needs "
-            "the whole base weights on every rank); use DDP or ZeRO-2 for a LoRA policy."
-        )
-    if peft:
-        policy.merge_adapter()
-    try:
-        whole = {}
-        for name, tensor in iter_full_parameters(base):
-            whole[name] = tensor.detach().clone()  # a gathered shard is released after this step
-        # Tied weights under every name (an output layer tied to the embeddings too), as a checkpoint has them.
-        first, weights = {}, []
-        for name, p in base.named_parameters(remove_duplicate=False):
-            weights.append((name, whole[first.setdefault(id(p), name)]))
-        names = {name for name, _ in weights}
-        for name, tensor in base.state_dict().items():
-            if name not in names:  # persistent buffers
-                weights.append((name, tensor.detach().clone()))
-        weights = [(get_checkpoint_name(n), t) for n, t in weights]
-        weights = [(n, t) for n, t in weights if n is not None]
-    finally:
-        if peft:
-            policy.unmerge_adapter()
-    return weights
-
-
-def get_checkpoint_name(name: str) -> str | None:
-    """A parameter's name in the architecture's checkpoints (None: an adapter's own entry, not sent).
-
-    >>> get_checkpoint_name("model.layers.0.self_attn.q_proj.base_layer.weight")
-    'model.layers.0.self_attn.q_proj.weight'
-    >>> get_checkpoint_name("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.lora_A.default.weight") is None
-    True
-    """
-    if ".lora_" in name or ".original_module." in name or name.startswith("lora_"):
-        return None
-    for wrapper in ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod."):
-        name = name.replace(wrapper, "")
-    return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
-
-
-def get_architecture(model: nn.Module) -> type:
-    """The model's own class (FSDP2's ``fully_shard`` makes it ``FSDP<Class>``, a subclass of it)."""
-    cls = type(get_base_model(unwrap_model(model)))
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch < 2.6
-        return cls
-    return next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
-
-
-def get_expected_weights(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """The checkpoint names and shapes of ``model``'s architecture, from an empty copy on the meta device: what a
-    weight copy must hold, exactly, before it reaches the engine."""
-    base = get_base_model(unwrap_model(model))
-    with torch.device("meta"):
-        empty = get_architecture(base)(copy.deepcopy(base.config))
-    expected = {n: tuple(p.shape) for n, p in empty.named_parameters(remove_duplicate=False)}
-    for name, tensor in empty.state_dict().items():
-        expected.setdefault(name, tuple(tensor.shape))  # persistent buffers
-    return expected
-
-
-def check_engine_weights(weights: Sequence[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]]) -> None:
-    """Raise ``ValueError`` naming the first weight whose name or shape is not the architecture's (or is missing)."""
-    got = {}
-    for name, tensor in weights:
-        if name not in expected:
-            raise ValueError(f"hfacc: the policy's weight {name!r} is not a weight of its architecture.")
-        if tuple(tensor.shape) != expected[name]:
-            raise ValueError(
-                f"hfacc: the policy's weight {name!r} has shape {tuple(tensor.shape)}, its architecture's "
-                f"{expected[name]}."
-            )
-        got[name] = tensor
-    missing = sorted(set(expected) - set(got))
-    if missing:
-        raise ValueError(f"hfacc: the policy's weights lack {missing[:3]} (of {len(missing)}) of its architecture.")
 
 
 def write_engine_directory(model: nn.Module, tokenizer) -> str:
@@ -417,9 +332,35 @@ class VLLMArguments:
     vllm_mode: str = field(
         default="colocate",
         metadata={
-            "help": "'colocate': a vLLM engine inside each training process, sharing its devices. ('server', a "
-            "separate vLLM process, is designed in docs/vllm.md but not in this version.)",
+            "help": "'colocate': a vLLM engine inside each training process, sharing its devices. 'server': a vLLM "
+            "server started apart (hfacc vllm-serve), the policy's weights sent to it before each generation.",
             "choices": list(VLLM_MODES),
+        },
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={"help": "vllm_mode='server': the server's URL (http://host:port); overrides host and port."},
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vllm_mode='server': the server's host."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "vllm_mode='server': the server's port."})
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={
+            "help": "vllm_mode='server': seconds to wait for the server to come up, and for any one request to it."
+        },
+    )
+    async_generation: bool = field(
+        default=False,
+        metadata={
+            "help": "vllm_mode='server': sample the next generation on the server while the current one trains; "
+            "each sample is tagged with the weight version it was sampled under (docs/vllm.md#async-generation)."
+        },
+    )
+    max_staleness: int = field(
+        default=4,
+        metadata={
+            "help": "With async_generation: the most optimizer steps a sample may lag the policy when it is trained "
+            "(TRL's AsyncGRPOConfig name); older samples are dropped, counted and sampled again."
         },
     )
     vllm_gpu_memory_utilization: float = field(
@@ -466,17 +407,41 @@ def count_devices(use_cpu: bool = False) -> int:
     return torch.cuda.device_count() if not use_cpu and torch.cuda.is_available() else 1
 
 
+def get_server_url(args) -> str:
+    """The server of ``vllm_mode='server'``: ``vllm_server_base_url``, else ``http://host:port`` (TRL's rule)."""
+    if args.vllm_server_base_url:
+        return args.vllm_server_base_url.rstrip("/")
+    host = "127.0.0.1" if args.vllm_server_host in ("0.0.0.0", "") else args.vllm_server_host
+    return f"http://{host}:{args.vllm_server_port}"
+
+
+def check_server_settings(args) -> None:
+    """The settings of ``vllm_mode='server'`` and ``async_generation``: ``ValueError`` naming the setting."""
+    if not 0 < args.vllm_server_port < 65536:
+        raise ValueError(f"vllm_server_port={args.vllm_server_port}: a port is between 1 and 65535.")
+    if not args.vllm_server_timeout > 0:
+        raise ValueError(f"vllm_server_timeout={args.vllm_server_timeout}: seconds, > 0.")
+    if args.max_staleness < 0:
+        raise ValueError(f"max_staleness={args.max_staleness}: optimizer steps, >= 0.")
+    url = args.vllm_server_base_url
+    if url is not None and not url.startswith(("http://", "https://")):
+        raise ValueError(f"vllm_server_base_url={url!r}: give it as http://host:port.")
+
+
 def check_vllm_settings(args) -> None:
     """Check :class:`VLLMArguments` before any training: ``ValueError`` naming the setting and the fix."""
+    if getattr(args, "async_generation", False) and not (args.use_vllm and args.vllm_mode == "server"):
+        raise ValueError(
+            "async_generation=True samples on a vLLM server while the trainer trains: set use_vllm=True and "
+            "vllm_mode='server' (hfacc vllm-serve starts the server), or async_generation=False."
+        )
     if not args.use_vllm:
         return
     if args.vllm_mode not in VLLM_MODES:
         raise ValueError(f"vllm_mode={args.vllm_mode!r}: use one of {list(VLLM_MODES)}.")
     if args.vllm_mode == "server":
-        raise ValueError(
-            "vllm_mode='server' (a separate vLLM process the trainer sends its weights to) is not in this version: "
-            "use vllm_mode='colocate' (docs/vllm.md has the server's design)."
-        )
+        check_server_settings(args)
+        return  # the engine is the server's: nothing of vLLM runs in this process
     fraction = args.vllm_gpu_memory_utilization
     if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
         raise ValueError(
@@ -548,6 +513,16 @@ def build_generation_engine(
     if not getattr(args, "use_vllm", False):
         return TransformersEngine(model, tokenizer)
     check_vllm_settings(args)
+    if args.vllm_mode == "server":
+        return ServerEngine(
+            model,
+            tokenizer,
+            base_url=get_server_url(args),
+            timeout=args.vllm_server_timeout,
+            max_model_len=args.vllm_max_model_length or max_model_len,
+            max_staleness=args.max_staleness,
+            main_process=accelerator is None or accelerator.is_main_process,
+        )
     seed = args.seed if seed is None else seed
     return VLLMEngine(
         model,
@@ -562,28 +537,14 @@ def build_generation_engine(
     )
 
 
-def group_prompts(prompt_ids: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
-    """Consecutive repeats of a prompt as one request of n samples: ``[(prompt, n), ...]`` in order.
-
-    >>> group_prompts([[1, 2], [1, 2], [3], [1, 2]])
-    [([1, 2], 2), ([3], 1), ([1, 2], 1)]
-    """
-    requests: list[tuple[list[int], int]] = []
-    for ids in prompt_ids:
-        ids = list(ids)
-        if requests and requests[-1][0] == ids:
-            requests[-1] = (ids, requests[-1][1] + 1)
-        else:
-            requests.append((ids, 1))
-    return requests
-
-
 __all__ = [
     "VLLMArguments",
     "VLLMEngine",
     "VLLM_MODES",
     "build_generation_engine",
+    "check_server_settings",
     "check_vllm_settings",
+    "get_server_url",
     "count_devices",
     "is_vllm_available",
     "check_engine_weights",

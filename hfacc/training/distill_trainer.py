@@ -186,12 +186,26 @@ class DistillationTrainer(OnlineTrainer):
         samples = self.sync_engine().sample(prompt_ids, settings, seed=self.sampling_seed(generation))
         return samples.completion_ids, samples.truncated
 
-    def on_policy_draws(self, count: int) -> list[bool]:
-        """Which of the next ``count`` micro-batches the student generates: seeded, the same on every rank."""
+    def on_policy_draws(self, count: int, generations: int | None = None) -> list[bool]:
+        """Which of the next ``count`` micro-batches the student generates: seeded, the same on every rank
+        (``generations``: the number of generation batches drawn before it; None: so far)."""
         args = self.args
-        seed = (args.data_seed if args.data_seed is not None else args.seed) + 7919 * self._generations
+        generations = self._generations if generations is None else generations
+        seed = (args.data_seed if args.data_seed is not None else args.seed) + 7919 * generations
         rng = random.Random(seed)
         return [rng.random() < args.lmbda for _ in range(count)]
+
+    def generation_request(self, indices: Sequence[int], generation: int):
+        """``(prompt_ids, settings, seed)`` of the next :meth:`generate_micro_batches`' :meth:`sample` call, ahead of
+        it (``async_generation``): the prompts of its on-policy micro-batches (None: it samples none)."""
+        args, size = self.args, self.args.per_device_train_batch_size
+        draws = self.on_policy_draws(-(-len(indices) // size), generations=self._generations)
+        ids = [get_prompt_ids(self.processing_class, self.train_dataset[i]["prompt"], args.max_prompt_length)
+               for j, i in enumerate(indices) if draws[j // size]]  # fmt: skip
+        settings = SamplingSettings(
+            args.max_completion_length, args.temperature, args.top_p, args.top_k, args.repetition_penalty
+        )
+        return (ids, settings, self.sampling_seed(generation)) if ids else None
 
     def generate_micro_batches(self, indices: Sequence[int], generation: int = 0) -> list[dict[str, torch.Tensor]]:
         """The ``gradient_accumulation_steps`` micro-batches of one optimizer step: prompts ``indices``, each

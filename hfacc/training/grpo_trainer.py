@@ -52,6 +52,7 @@ from ..generation.rollout import (
     Rollout,
     SamplingSettings,
     build_rollout,
+    get_prompt_ids,
     get_reward_name,
 )
 from ..generation.tools import EnvironmentPool, MultiTurnSampler
@@ -451,6 +452,20 @@ class GRPOTrainer(OnlineTrainer):
         """
         args = self.args
         return args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0
+
+    def generation_request(self, indices: Sequence[int], generation: int):
+        """``(prompt_ids, settings, seed)`` of :meth:`generate_micro_batches`' one ``engine.sample`` call, ahead of
+        it (``async_generation``): each prompt's ids ``num_generations`` times. None with tools (their turns depend
+        on the results)."""
+        if self.tool_sampler is not None:
+            return None
+        args = self.args
+        ids = [get_prompt_ids(self.processing_class, self.train_dataset[i]["prompt"], args.max_prompt_length)
+               for i in indices]  # fmt: skip
+        settings = SamplingSettings(
+            args.max_completion_length, args.temperature, args.top_p, args.top_k, args.repetition_penalty
+        )
+        return [p for p in ids for _ in range(args.num_generations)], settings, self.sampling_seed(generation)
 
     def generate_micro_batches(self, indices: Sequence[int], generation: int = 0) -> list[dict[str, torch.Tensor]]:
         """The ``steps_per_generation`` micro-batches of one generation batch: prompts ``indices`` of the dataset.

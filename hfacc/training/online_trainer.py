@@ -76,6 +76,30 @@ class OnlineTrainer(TokenWeightedTrainer):
         base_seed = args.data_seed if args.data_seed is not None else args.seed
         return get_sampling_seed(base_seed, generation, self.accelerator.process_index)
 
+    # ---- sampling ahead (async_generation) ---------------------------------------------------------------------
+    def generation_request(self, indices: Sequence[int], generation: int):
+        """What generation batch ``generation`` (prompts ``indices``) will ask the engine: ``(prompt_ids, settings,
+        seed)``, the exact arguments of its ``engine.sample`` call, or None where they are not known ahead. Each
+        online trainer says it; with ``async_generation`` the engine samples them while the steps before train."""
+        return None
+
+    def prefetch_generation(self, indices: Sequence[int], generation: int) -> None:
+        """With ``async_generation``: send generation ``generation``'s requests to the server now, under the weights
+        it holds (the current step's); its :meth:`generate_micro_batches` takes them, or drops them as too stale."""
+        if not getattr(self.args, "async_generation", False):
+            return
+        request = self.generation_request(indices, generation)
+        if request is not None:
+            prompt_ids, settings, seed = request
+            self.engine.prefetch(prompt_ids, settings, seed=seed)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The trainer's logs, plus the server engine's (``sampling/staleness/*``, ``sampling/dropped_samples``)."""
+        take = getattr(self._engine, "take_metrics", None)
+        if "loss" in logs and take is not None:
+            logs.update(take())
+        super().log(logs, start_time)
+
     # ---- where the micro-batches come from -------------------------------------------------------------------
     def get_train_dataloader(self) -> RolloutLoader:
         """Micro-batches of completions, generated when the step needs them (:class:`RolloutLoader`)."""
@@ -112,6 +136,11 @@ class RolloutLoader:
     the checkpoint) is sampled again for the same prompts, from the resumed policy, and only its micro-batches not
     trained yet are yielded. Which, is said at WARNING. Where the checkpoint falls between generations, the resumed
     run samples and trains what the uninterrupted one would have (same prompts, same seeds, the checkpoint's RNG).
+
+    With ``async_generation`` the next generation's requests go to the server before this one's micro-batches are
+    yielded (:meth:`OnlineTrainer.prefetch_generation`). Samples in flight are in no checkpoint: a resumed run
+    samples its first generation again, from the resumed policy, and discards whatever the interrupted run had
+    in flight (the rule above).
     """
 
     def __init__(self, trainer: OnlineTrainer):
@@ -168,6 +197,11 @@ class RolloutLoader:
             first = g * self.prompts_per_generation + rank * self.prompts_per_rank
             indices = order[first : first + self.prompts_per_rank]
             batches = trainer.generate_micro_batches(indices, generation=self.epoch * self.generations + g)
+            if g + 1 < self.generations:  # async_generation: the next generation samples while these train
+                after = (g + 1) * self.prompts_per_generation + rank * self.prompts_per_rank
+                trainer.prefetch_generation(
+                    order[after : after + self.prompts_per_rank], self.epoch * self.generations + g + 1
+                )
             yield from (batches * args.num_iterations)[offset if g == first_generation else 0 :]
 
     def say_resume(self, generation: int, offset: int) -> None:
