@@ -115,7 +115,8 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
     set_seed(args.seed)
     if args.lmbda > 0:
         check_on_policy_settings(job, data_args, args)
-    check_run_before_loading(args, data_args)  # before the models load or a teacher's short SFT runs
+    # Before the models load (or a teacher's short SFT runs): a refusal then costs seconds.
+    check_run_before_loading(args, data_args, streaming=data_args.streaming)
     student, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
     if job.precompute_teacher_logprobs and job.teacher_top_k > len(tokenizer):  # before the teacher loads or trains
         raise ConfigError(
