@@ -136,7 +136,7 @@ def run_trl(model, tokenizer, prompts, steps, out, device, **settings):
     args = GRPOConfig(
         output_dir=out, per_device_train_batch_size=BS, gradient_accumulation_steps=GA, num_generations=G,
         max_completion_length=L, max_steps=steps, learning_rate=1e-5, logging_steps=1, report_to=[],
-        save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, loss_type="dapo", beta=0.0, seed=0,
+        save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, loss_type="dapo", beta=0.0, seed=0, bf16=False,
         top_k=0, **settings,
     )  # fmt: skip
     trainer = TRLGRPOTrainer(model, [length_reward], args, train_dataset=prompts, processing_class=tokenizer)
