@@ -133,10 +133,11 @@ def run_trl(model, tokenizer, prompts, steps, out, device, **settings):
     from trl import GRPOConfig
     from trl import GRPOTrainer as TRLGRPOTrainer
 
+    settings = {"bf16": False, **settings}  # TRL's default is bf16=True: fp32 as hfacc unless asked
     args = GRPOConfig(
         output_dir=out, per_device_train_batch_size=BS, gradient_accumulation_steps=GA, num_generations=G,
         max_completion_length=L, max_steps=steps, learning_rate=1e-5, logging_steps=1, report_to=[],
-        save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, loss_type="dapo", beta=0.0, seed=0, bf16=False,
+        save_strategy="no", use_cpu=device == "cpu", disable_tqdm=True, loss_type="dapo", beta=0.0, seed=0,
         top_k=0, **settings,
     )  # fmt: skip
     trainer = TRLGRPOTrainer(model, [length_reward], args, train_dataset=prompts, processing_class=tokenizer)
