@@ -133,6 +133,7 @@ def run_trl(model, tokenizer, prompts, steps, out, device, **settings):
     from trl import GRPOConfig
     from trl import GRPOTrainer as TRLGRPOTrainer
 
+    settings = {"bf16": False, **settings}  # TRL's default is bf16=True: fp32 as hfacc unless asked
     args = GRPOConfig(
         output_dir=out, per_device_train_batch_size=BS, gradient_accumulation_steps=GA, num_generations=G,
         max_completion_length=L, max_steps=steps, learning_rate=1e-5, logging_steps=1, report_to=[],

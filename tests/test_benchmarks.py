@@ -49,6 +49,8 @@ def test_the_side_by_side_benchmarks_run_quick_and_their_update_errors_stay_exac
     assert rows, out
     # The speed table's hfacc row has a positive throughput (not nan, not zero).
     assert float(re.split(r"\s*\|\s*", rows[0])[2]) > 0, rows[0]
+    summary = load_benchmark("run_all").summarize(name, out)  # what benchmarks/run_all.py reads of the run
+    assert summary["hfacc"][0] > 0 and summary["hfacc"][1] > 0, summary
     if name == "distill":  # the part that stopped with the TypeError: hfacc's on-policy rows
         assert {mode for mode, *_ in errors} == {"off-policy", "on-policy"}
         assert "| on-policy | hfacc DistillationTrainer |" in out
@@ -66,6 +68,7 @@ def test_grpo_quick(capsys):
     errors, out = run_quick("grpo", capsys)
     assert set(errors) == {"ragged", "second step"} and max(errors.values()) <= 1e-6, errors
     assert re.search(r"^hfacc\s+\d+", out, re.M), out
+    assert load_benchmark("run_all").summarize("grpo", out)["hfacc"][0] == 1.0  # its own reference without TRL
 
 
 def test_trainer_overhead_quick(capsys):
@@ -120,4 +123,17 @@ QUICK_TESTS = {  # every script has its quick run above
 
 def test_every_benchmark_script_has_a_quick_run_here():
     """A new script in benchmarks/ gets its --quick mode and its test in this module."""
-    assert set(SCRIPTS) - {"gpu", "run_all"} == QUICK_TESTS
+    assert set(SCRIPTS) - {"run_all"} == QUICK_TESTS | {"gpu"}
+
+
+def test_the_gpu_benchmark_smoke_runs_on_cpu(tmp_path, capsys):
+    """benchmarks/gpu.py (written for a CUDA device, never run on one in this project yet) at tiny sizes on the CPU:
+    every part it runs without TRL and vLLM produces its row, none fails."""
+    out = tmp_path / "gpu_table.md"
+    text = load_benchmark("gpu").main(["--models", "tiny", "--budget", "6", "--device", "cpu", "--out", str(out)])
+    assert out.read_text() == text
+    assert "failed" not in text, text
+    for title in ("### SFT, tiny, sdpa", "### DPO, tiny", "### GRPO, tiny"):
+        assert title in text
+    rows = {row.split(" | ")[0][2:]: row for row in table_rows(text)}
+    assert {"stock", "hfacc_padded", "hfacc"} <= set(rows), rows
