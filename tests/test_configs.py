@@ -68,7 +68,7 @@ def test_default_config_applies_only_without_a_model():
 def test_accelerate_config_loads_and_its_keys_exist(path):
     config = ClusterConfig.from_yaml_file(str(path))  # raises on unknown top-level keys
     launch_args = launch_command_parser().parse_args(["script.py"])
-    for section, prefix in (("fsdp_config", "fsdp_"), ("deepspeed_config", "")):
+    for section, prefix in (("fsdp_config", "fsdp_"), ("deepspeed_config", ""), ("parallelism_config", "")):
         for key in getattr(config, section) or {}:
             name = key if key.startswith(prefix) else prefix + key
             assert hasattr(launch_args, name), f"{path.name}: {section}.{key} is not an accelerate launch setting"

@@ -74,6 +74,13 @@ def check_parallelism(accelerator) -> None:
         )
     if getattr(pc, "sp_enabled", False) and pc.sp_backend != "deepspeed":
         raise NotImplementedError(f"parallelism_config.sp_backend={pc.sp_backend!r}: hfacc supports 'deepspeed'.")
+    if getattr(pc, "sp_enabled", False) and pc.data_parallel_size * pc.sp_size != accelerator.num_processes:
+        # accelerate gives DeepSpeed a global batch of data_parallel_size ranks; DeepSpeed's own check then fails.
+        raise ValueError(
+            f"parallelism_config: dp_shard_size x sp_size = {pc.data_parallel_size * pc.sp_size} but "
+            f"{accelerator.num_processes} processes: set parallelism_config_dp_shard_size to "
+            f"{accelerator.num_processes // pc.sp_size} (--parallelism_config_dp_shard_size)."
+        )
 
 
 def check_sequence_parallel_objective(name: str, sp_size: int) -> None:
@@ -131,7 +138,8 @@ class DataCollatorForSequenceParallel:
             mask = batch.get("attention_mask")
             positions = torch.arange(length).expand(batch["input_ids"].shape[0], length)
             if mask is not None:  # left padding: positions count from the first real token, as generate does
-                positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+                leading = (mask.long().cumsum(-1) == 0).sum(-1, keepdim=True)
+                positions = (positions - leading).clamp(min=0)
             batch["position_ids"] = positions.contiguous()
         batch["labels"] = presharded_labels(batch)
         return pad_to_length(batch, length + (-length % self.sp_size), self.pad_token_id)
