@@ -116,7 +116,7 @@ def async_run(policy, tmp_path, **settings):
     with FakeVLLMServer(model, tokenizer) as server:
         trainer, capture, _ = run_grpo(
             tmp_path, steps=3, policy=(model, tokenizer), learning_rate=1e-3, use_vllm=True, vllm_mode="server",
-            vllm_server_base_url=server.url, vllm_server_timeout=10, async_generation=True, **settings,
+            vllm_server_base_url=server.url, vllm_server_timeout=60, async_generation=True, **settings,
         )  # fmt: skip
     return trainer, capture, server
 

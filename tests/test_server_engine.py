@@ -23,7 +23,7 @@ pytestmark = pytest.mark.xdist_group("server_engine")
 
 
 def server_settings(server, **more):
-    return dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=10, **more)
+    return dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, vllm_server_timeout=60, **more)
 
 
 @pytest.fixture(scope="module")
