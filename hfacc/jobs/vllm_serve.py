@@ -8,8 +8,8 @@ this process with it (Ctrl-C or SIGTERM stops it):
 
 - ``VLLM_SERVER_DEV_MODE=1``: vLLM's RL routes (weight transfer, ``/weight_info``, pause);
 - ``--weight-transfer-config '{"backend": "hfacc_loopback"}'`` and ``--worker-extension-cls`` naming
-  :mod:`hfacc.generation.engine_weights` on a CPU, where vLLM's NCCL and IPC backends do not run (``--weight_backend
-  nccl`` on GPUs: vLLM's own);
+  :mod:`hfacc.generation.engine_weights`: the transport hfacc's trainer sends through (vLLM's NCCL and IPC backends
+  do not run on a CPU; ``--weight_backend nccl`` serves vLLM's own, for a trainer that joins its NCCL group);
 - ``--logprobs-mode processed_logprobs`` (the sampler's log-probs after temperature, top-k, top-p, as TRL) and
   ``--generation-config vllm`` (the trainer's sampling settings, none from the model's files);
 - on a CPU ``--enforce-eager`` and no chunked prefill (vLLM 0.32's CPU runner crashed on a chunked prompt here).
@@ -57,7 +57,7 @@ class VLLMServeArguments:
     seed: int = field(default=0, metadata={"help": "The server's seed (each request carries its own too)."})
     weight_backend: str | None = field(
         default=None,
-        metadata={"help": f"vLLM's weight-transfer backend (None: '{BACKEND}' on a CPU, 'nccl' on a GPU)."},
+        metadata={"help": f"vLLM's weight-transfer backend (None: '{BACKEND}', the one hfacc's trainer sends to)."},
     )
 
     def __post_init__(self):
@@ -81,7 +81,7 @@ def check_port_free(host: str, port: int) -> None:
 
 def build_server_command(args: VLLMServeArguments, on_cpu: bool) -> tuple[list[str], dict[str, str]]:
     """The vLLM command line and environment ``hfacc vllm-serve`` runs."""
-    backend = args.weight_backend or (BACKEND if on_cpu else "nccl")
+    backend = args.weight_backend or BACKEND
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", args.model, "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
