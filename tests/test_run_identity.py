@@ -35,7 +35,7 @@ COMMON = [
 ]  # fmt: skip
 ARGUMENTS = {
     "sft": "SFT_ARGUMENTS",
-    "sft_stream": "SFT_ARGUMENTS",  # hfacc sft --streaming true: the stream's first examples identify it
+    "sft_stream": "SFT_ARGUMENTS",  # hfacc sft --streaming true: the stream's first rows identify it
     "dpo": "DPO_ARGUMENTS",
     "kto": "KTO_ARGUMENTS",
     "reward": "REWARD_ARGUMENTS",
@@ -246,9 +246,10 @@ def test_the_override_continues_another_datas_checkpoint_and_says_so_once(first_
     assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2]  # step 1 is A's, resumed
 
 
-def test_a_streams_identity_is_a_hash_of_its_first_examples(assets, tmp_path):
-    """A stream has no length: its identity hashes its first 16 examples as training reads them (tokenized,
-    truncated), without counting or saying what they drop or cut. Before: a stream had no identity of its rows."""
+def test_a_streams_identity_is_a_hash_of_its_first_rows(assets, tmp_path):
+    """A stream has no length: its identity hashes its first 16 rows (after the held-out ones), read again from its
+    start without encoding them (training counts and says what it cuts). Before: a stream had no identity of its
+    rows."""
     from transformers import AutoTokenizer
 
     from hfacc.data.sft import DataArguments, build_datasets
@@ -261,7 +262,7 @@ def test_a_streams_identity_is_a_hash_of_its_first_examples(assets, tmp_path):
         data.stream_eval_examples = 2
         stream, _, _ = build_datasets(data, tokenizer)
         identities.append(get_dataset_identity(stream, tokenizer))
-        assert stream.truncated == stream.dropped == 0  # counted by training, not by the identity
+        assert stream.truncated == stream.dropped == 0  # nothing encoded
     assert "first_rows_sha256" in identities[0] and "num_rows" not in identities[0]
     assert identities[0] == identities[1]  # the same stream: the same run (a requeue)
     assert identities[0]["first_rows_sha256"] != identities[2]["first_rows_sha256"]

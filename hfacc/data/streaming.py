@@ -176,16 +176,11 @@ class SFTStream(torch.utils.data.IterableDataset):
             logger.warning("hfacc: row %s was dropped: %s (%d dropped so far).", where, why, self.dropped)
         return None
 
-    def first_examples(self, count: int) -> list[dict[str, Any]]:
-        """The stream's first ``count`` examples as training reads them (a resumed run's identity of its data:
-        :func:`hfacc.training.checkpoint.get_dataset_identity`), read again from the start; what they drop or cut
-        is neither counted nor said here (training does)."""
-        counts, disabled = (self.dropped, self.truncated), logger.disabled
-        logger.disabled = True
-        try:
-            return list(itertools.islice(self, count))
-        finally:
-            (self.dropped, self.truncated), logger.disabled = counts, disabled
+    def first_rows(self, count: int) -> list[Mapping[str, Any]]:
+        """The stream's first ``count`` raw rows, read again from its start: what identifies a streamed run's data
+        (:func:`hfacc.training.checkpoint.get_dataset_identity`; with the tokenization settings and the chat
+        template beside them). Not encoded: that would count and say their truncations a second time."""
+        return list(itertools.islice(iter(self.source), count))
 
     def __iter__(self) -> Iterator[dict[str, list[int]]]:
         for i, row in enumerate(self.source):

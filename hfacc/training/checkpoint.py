@@ -147,8 +147,8 @@ def get_data_settings(*sources) -> dict[str, Any]:
 def get_dataset_identity(dataset, processing_class=None, rows: int = 16) -> dict[str, Any]:
     """What identifies the training set itself, where it is cheap: its number of rows and a sha256 of its first
     ``rows`` rows and its last one as they are fed to the collator (after tokenization, truncation and packing); of a
-    stream (:class:`hfacc.data.streaming.SFTStream`), a sha256 of its first ``rows`` examples; and one of the
-    tokenizer's chat template. Columns a model computed (:data:`MODEL_COLUMNS`) are left out.
+    stream (:class:`hfacc.data.streaming.SFTStream`), a sha256 of its first ``rows`` raw rows (their tokenization
+    is the data settings' and the chat template's); and one of the tokenizer's chat template. Columns a model computed (:data:`MODEL_COLUMNS`) are left out.
 
     Not datasets' ``_fingerprint``: it is random wherever a map's function cannot be hashed (datasets says so once),
     so the same run's requeue would read as another run. Rows edited in the middle of a dataset of the same size are
@@ -161,8 +161,8 @@ def get_dataset_identity(dataset, processing_class=None, rows: int = 16) -> dict
     if size is not None:
         values["num_rows"] = size
         values["rows_sha256"] = _rows_sha256(dataset[i] for i in sorted({*range(min(rows, size)), size - 1} - {-1}))
-    elif hasattr(dataset, "first_examples"):  # a stream: its first examples, as training reads them
-        values["first_rows_sha256"] = _rows_sha256(dataset.first_examples(rows))
+    elif hasattr(dataset, "first_rows"):  # a stream: its first rows (it has no length)
+        values["first_rows_sha256"] = _rows_sha256(dataset.first_rows(rows))
     template = getattr(processing_class, "chat_template", None)
     if isinstance(template, str):
         values["chat_template"] = hashlib.sha256(template.encode()).hexdigest()[:16]
