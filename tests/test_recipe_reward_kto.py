@@ -46,7 +46,21 @@ def test_the_reward_default_runs_a_short_sft_then_trains_a_reward_model(reward_r
     assert metrics["eval_loss_after"] != metrics["eval_loss_before"]
 
 
-def test_the_kto_default_starts_from_the_sft_output_with_precomputed_reference_log_probs(reward_run, tmp_path):
+def test_the_kto_default_starts_from_the_sft_output_with_precomputed_reference_log_probs(
+    reward_run, tmp_path, monkeypatch
+):
+    from hfacc.data.embedded import generate_instruction_examples
+    from hfacc.jobs import kto
+
+    # A 3-step SFT model answers no prompt right, and KTO's rows are its own answers (right ones desirable): its
+    # greedy answer to every other prompt is replaced by the right one, so that both kinds of rows are there.
+    right = [e["messages"][-1]["content"] for e in generate_instruction_examples(40, seed=1)]
+    greedy = kto.generate_answers
+    monkeypatch.setattr(
+        kto,
+        "generate_answers",
+        lambda *a, **k: [r if i % 2 else g for i, (r, g) in enumerate(zip(right, greedy(*a, **k), strict=True))],
+    )
     sft = reward_run[0] / "sft"
     metrics = run_in_process("kto", "--output_dir", str(tmp_path), "--sft_model_dir", str(sft),
                              "--precompute_ref_log_probs", "true", "--num_exact_match_examples", "4")  # fmt: skip

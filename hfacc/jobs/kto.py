@@ -6,10 +6,10 @@
     accelerate launch --config_file accelerate_configs/ddp.yaml recipes/kto.py   # two processes
 
 With neither --config nor --model_name_or_path, recipes/configs/kto_tiny_default.yaml supplies the defaults. The run
-starts from the SFT recipe's output (outputs/sft-tiny) if it is there, else runs a short SFT itself; builds
-preference pairs from the embedded tasks as the DPO job does and unpairs them (chosen: a desirable row; rejected: an
-undesirable one, as TRL's KTOTrainer does), each row with its KL row (its prompt, another row's completion); trains
-with :class:`hfacc.KTOObjective`; and prints the held-out reward margin and exact match before -> after. Rows of a
+starts from the SFT recipe's output (outputs/sft-tiny) if it is there, else runs a short SFT itself; answers the
+embedded prompts with that model and makes each of its answers an unpaired row (a right one desirable, a mistake
+undesirable), each row with its KL row (its prompt, another row's completion); trains with
+:class:`hfacc.KTOObjective`; and prints the held-out reward margin and exact match before -> after. Rows of a
 dataset given with --dataset_name have TRL's columns: unpaired (prompt, completion, label) or pairs (prompt, chosen,
 rejected). Writes the model, tokenizer, metrics.json and loss_curve.png to --output_dir; user errors end in one
 message and exit code 2.
@@ -210,8 +210,8 @@ def build_embedded_rows(model, tokenizer, kto_args: KTOArguments, seed: int = 0)
             "or --num_rejected_samples, or give rows with --dataset_name."
         )
     logger.warning(
-        "hfacc: %d unpaired rows from the starting model's own answers to %d embedded prompts (greedy and %d sampled "
-        "each, distinct): %d right ones desirable, %d mistakes undesirable.",
+        "hfacc: %d unpaired rows from the starting model's own answers to %d embedded prompts (the greedy one and %d "
+        "sampled per prompt, each distinct answer once): %d right ones desirable, %d mistakes undesirable.",
         len(train) + len(evaluation),
         len(examples),
         k,
