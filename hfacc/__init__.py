@@ -46,6 +46,7 @@ _LOCATIONS: dict[str, tuple[str, ...]] = {
     "data.vision": ("DataCollatorForVisionLM", "get_processor"),
     "generation.engine": ("GenerationEngine", "TransformersEngine"),
     "generation.evaluation": ("generate_answers",),
+    "generation.server_engine": ("ServerEngine",),
     "generation.tools": ("MultiTurnSampler",),
     "generation.vllm_engine": ("VLLMArguments", "VLLMEngine", "build_generation_engine"),
     "models.loading": (
@@ -179,6 +180,7 @@ __all__ = [
     "GenerationEngine",
     "TransformersEngine",
     "VLLMEngine",
+    "ServerEngine",
     "VLLMArguments",
     "build_generation_engine",
     # multi-turn rollouts with tools (docs/tools_and_environments.md)

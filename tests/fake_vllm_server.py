@@ -60,7 +60,7 @@ class FakeVLLMServer:
     def route(self, method: str, path: str, body: dict | None):
         """``(status, answer)`` of one request."""
         rl = ("/weight_info", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-              "/finish_weight_update", "/reset_prefix_cache", "/update_weight_version")  # fmt: skip
+              "/finish_weight_update", "/reset_prefix_cache", "/update_weight_version", "/pause", "/resume")  # fmt: skip
         if path in rl and not self.dev_mode:
             return 404, {"detail": "Not Found"}
         if path == "/health":
@@ -90,7 +90,7 @@ class FakeVLLMServer:
         if path == "/finish_weight_update":
             self.version, self.updates = body.get("weight_version"), self.updates + 1
             return 200, {"message": "Weight update finished"}
-        if path in ("/start_weight_update", "/reset_prefix_cache"):
+        if path in ("/start_weight_update", "/reset_prefix_cache", "/pause", "/resume"):
             return 200, {}
         if path == "/v1/completions":
             return 200, self.complete(body)

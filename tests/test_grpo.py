@@ -229,7 +229,8 @@ def test_batch_statistics_are_the_whole_generations_and_a_ranks_own_are_not(sett
         ({"vllm_gpu_memory_utilization": 1.5}, r"vllm_gpu_memory_utilization=1.5"),
         ({"vllm_tensor_parallel_size": 2}, r"vllm_tensor_parallel_size=2: this process has a CPU \(one device\)"),
         ({"vllm_enable_sleep_mode": True}, "vLLM has no sleep mode on a CPU"),
-        ({"vllm_mode": "server"}, "vllm_mode='server'"),
+        ({"vllm_mode": "server", "vllm_server_port": 0}, "vllm_server_port=0: a port is between 1 and 65535"),
+        ({"vllm_mode": "server", "max_staleness": -1}, "max_staleness=-1: optimizer steps, >= 0"),
         ({"vllm_max_model_length": 8}, r"vllm_max_model_length=8 is shorter than a prompt .* >= 257"),
         (
             {"vllm_max_model_length": 300, "max_prompt_length": 64},

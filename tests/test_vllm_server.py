@@ -26,6 +26,7 @@ from hfacc.generation.vllm_engine import is_vllm_available, write_engine_directo
 from tests.grpo_setup import build_policy, build_prompts, rollout_rows, run_grpo
 from tests.helpers import relative_error
 from tests.rollouts import reference_gradient
+from tests.test_vllm import digest  # a reward with spread at every step: every step has a gradient
 
 pytestmark = pytest.mark.skipif(
     not is_vllm_available(),
@@ -76,7 +77,13 @@ def settings_for(server, **more):
 def test_grpo_trains_on_the_server_and_each_step_is_exact(server, tmp_path):
     model, tokenizer = build_policy(0, **POLICY)
     trainer, capture, start = run_grpo(
-        tmp_path, steps=2, policy=(model, tokenizer), temperature=0.8, learning_rate=1e-3, **settings_for(server)
+        tmp_path,
+        steps=2,
+        policy=(model, tokenizer),
+        temperature=0.8,
+        learning_rate=1e-3,
+        reward_funcs=(digest,),
+        **settings_for(server),
     )
     assert trainer.engine.name == "vllm-server" and trainer.engine.version == 1
     for step in range(2):
@@ -94,6 +101,7 @@ def test_async_grpo_trains_on_samples_one_step_stale_with_importance_weights(ser
     model, tokenizer = build_policy(0, **POLICY)
     trainer, capture, _ = run_grpo(
         tmp_path, steps=3, policy=(model, tokenizer), learning_rate=1e-2, async_generation=True, max_staleness=4,
+        reward_funcs=(digest,),
         **settings_for(server),
     )  # fmt: skip
     logs = [h for h in trainer.state.log_history if "reward" in h]

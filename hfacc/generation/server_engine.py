@@ -7,9 +7,9 @@ Start the server with ``hfacc vllm-serve --model <the policy's directory>`` (doc
   ``vllm_server_timeout`` seconds; no server by then is one line naming the command that starts one. A server without
   vLLM's RL routes, with a shorter ``max_model_len`` than the trainer's prompts and completions, another vocabulary
   or another model, is each one named line.
-- **Weights** (:meth:`ServerEngine.sync_weights`): on the main process, ``/start_weight_update``, the policy's weights
-  in ``/update_weights`` chunks, ``/finish_weight_update`` with the policy's version (its optimizer step), then
-  ``/reset_prefix_cache``; every rank waits for it (a barrier).
+- **Weights** (:meth:`ServerEngine.sync_weights`): on the main process, ``/pause?mode=wait`` (requests still running
+  finish first), ``/start_weight_update``, the policy's weights in ``/update_weights`` chunks, ``/finish_weight_update`` with the policy's version (its optimizer step), then
+  ``/reset_prefix_cache``, ``/resume``; every rank waits for it (a barrier).
 - **Before each generation** the server's ``/weight_info`` must name the policy's version: a skipped update (or
   another trainer writing to the same server) is a named error, not samples from other weights.
 - **Samples** (:meth:`ServerEngine.sample`): one ``/v1/completions`` request per prompt (``n`` completions, its own
@@ -218,11 +218,17 @@ class ServerEngine(GenerationEngine):
         weights = get_engine_weights(model)  # a collective under ZeRO-3 / FSDP2: every rank takes part
         if self.main_process:
             client = self.client
-            client.request("/start_weight_update", {})
-            for chunk in encode_weights(weights):
-                client.request("/update_weights", {"update_info": chunk})
-            client.request("/finish_weight_update", {"weight_version": str(version)})
-            client.request("/reset_prefix_cache", {})
+            # vLLM's pause: requests still running (another engine's, an interrupted run's) finish first, and none
+            # starts while the weights change.
+            client.request("/pause?mode=wait", {})
+            try:
+                client.request("/start_weight_update", {})
+                for chunk in encode_weights(weights):
+                    client.request("/update_weights", {"update_info": chunk})
+                client.request("/finish_weight_update", {"weight_version": str(version)})
+                client.request("/reset_prefix_cache", {})
+            finally:
+                client.request("/resume", {})
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
 
