@@ -55,7 +55,8 @@ def worker(args) -> None:
     from hfacc.runtime.sequence_parallel import DataCollatorForSequenceParallel, init_deepspeed_comm
 
     cuda = torch.cuda.is_available() and not args.cpu
-    accelerator = Accelerator(cpu=not cuda)
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    accelerator = Accelerator(cpu=not cuda and not deepspeed)  # cpu=True would make DeepSpeed's processes MULTI_CPU
     sp = accelerator.parallelism_config.sp_size if accelerator.parallelism_config else 1
     if sp > 1:
         init_deepspeed_comm()
@@ -73,7 +74,7 @@ def worker(args) -> None:
     if sp > 1:
         # accelerate shards the loader over the ranks and Ulysses runs every rank's row on the whole group: each rank
         # gets every length once, and the group takes `world` steps of it (the first ones warm up).
-        steps = accelerator.num_processes
+        steps = torch.distributed.get_world_size()
         data = [collate([row]) for row in rows for _ in range(steps)]
         loader = torch.utils.data.DataLoader(data, batch_size=1, collate_fn=lambda b: b[0])
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -112,7 +113,12 @@ def worker(args) -> None:
         if time.perf_counter() - start > args.budget_s:
             break
     if accelerator.is_main_process:
-        out = {"sp": sp, "world": accelerator.num_processes, "results": results, "out_of_memory_at": failed}
+        out = {
+            "sp": sp,
+            "world": torch.distributed.get_world_size() if sp > 1 else 1,
+            "results": results,
+            "out_of_memory_at": failed,
+        }
         Path(args.worker).write_text(json.dumps(out))
 
 
@@ -136,7 +142,8 @@ def run_layout(args, processes: int, sp: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([*launch, *script], env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.exists():
-        return {"sp": sp, "world": processes, "error": proc.stderr.strip().splitlines()[-1:]}
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line] or proc.stderr.splitlines()[-1:]
+        return {"sp": sp, "world": processes, "error": errors[-1:]}
     return json.loads(out.read_text())
 
 

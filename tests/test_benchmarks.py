@@ -29,3 +29,17 @@ def test_the_distillation_benchmarks_update_errors_run_for_hfacc():
 def test_every_benchmark_script_imports(name):
     """A benchmark whose imports no longer resolve (a moved or renamed hfacc name) fails here, not when run."""
     load_benchmark(name)
+
+
+def test_the_long_context_benchmark_runs_small_on_cpu():
+    """benchmarks/long_context.py's one-device layout on the tiny config (the GPU run launches the Ulysses layout
+    the same way, through accelerate_configs/deepspeed_ulysses.yaml; tests/test_sequence_parallel.py launches that
+    engine on CPU): every length up to --max_length trains a step and lands in the table."""
+    import argparse
+
+    bench = load_benchmark("long_context")
+    args = argparse.Namespace(model="tiny", start=32, max_length=64, budget_s=60.0, cpu=True)
+    layout = bench.run_layout(args, 1, 1)
+    assert [r["length"] for r in layout["results"]] == [32, 64], layout
+    assert all(r["tokens_per_s"] > 0 for r in layout["results"])
+    assert "| 1 device(s), sp 1 | 64 |" in bench.table("tiny", [layout])
