@@ -158,7 +158,8 @@ def table(model: str, layouts: list[dict]) -> str:
             continue
         best = layout["results"][-1]
         oom = layout["out_of_memory_at"] or "not reached"
-        lines.append(f"| {name} | {best['length']} | {best['tokens_per_s']:.0f} | {best['peak_gib']:.1f} | {oom} |")
+        peak = f"{best['peak_gib']:.1f}" if best["peak_gib"] == best["peak_gib"] else "-"  # NaN: not on a GPU
+        lines.append(f"| {name} | {best['length']} | {best['tokens_per_s']:.0f} | {peak} | {oom} |")
     return "\n".join(lines) + "\n"
 
 
