@@ -25,6 +25,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 
@@ -95,7 +96,7 @@ def run_verify(argv: list[str], guard) -> int:
     from .jobs.distill import DistillJobArguments
     from .jobs.sft import SFTArguments
     from .models.loading import ModelArguments, load_model_and_tokenizer
-    from .runtime.config import parse_args
+    from .runtime.config import ConfigError, parse_args
     from .training.arguments import TokenWeightedArguments
     from .training.distill_trainer import DistillationArguments
     from .verify.equivalence import (
@@ -112,7 +113,20 @@ def run_verify(argv: list[str], guard) -> int:
         ignore_types=(TokenWeightedArguments, SFTArguments, DistillJobArguments, DistillationArguments),
         prog="hfacc verify",
     )
+    if verify_args.sp_size > 1:  # accelerate reads its ParallelismConfig from the launch's environment
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true":
+            raise ConfigError(
+                f"--sp_size {verify_args.sp_size} needs a DeepSpeed launch: accelerate launch --config_file "
+                "accelerate_configs/deepspeed_ulysses.yaml -m hfacc.cli verify"
+            )
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        os.environ.update(ACCELERATE_USE_PARALLELISM_CONFIG="true", PARALLELISM_CONFIG_SP_BACKEND="deepspeed")
+        os.environ["PARALLELISM_CONFIG_SP_SIZE"] = str(verify_args.sp_size)
+        os.environ["PARALLELISM_CONFIG_DP_SHARD_SIZE"] = str(max(world // verify_args.sp_size, 1))
     accelerator = Accelerator(cpu=not torch.accelerator.is_available())
+    sp_size = verify_args.sp_size or getattr(accelerator.parallelism_config, "sp_size", 1) or 1
+    if sp_size > 1:
+        return _verify_sequence_parallel(verify_args, model_args, data_args, accelerator, sp_size)
     objective = verify_args.objective
     if objective == "reward" and model_args.model_name_or_path is not None:  # a reward model: one score per sequence
         from .models.loading import load_reward_model, load_tokenizer
@@ -172,6 +186,35 @@ def run_verify(argv: list[str], guard) -> int:
         accelerator=accelerator,
         seed=verify_args.seed,
         fused_loss=verify_args.fused_loss,
+    )
+    return _finish_verify(report, verify_args, accelerator)
+
+
+def _verify_sequence_parallel(verify_args, model_args, data_args, accelerator, sp_size) -> int:
+    from .data.collator import DataCollatorForCausalLM
+    from .data.sft import build_examples
+    from .models.loading import load_model_and_tokenizer
+    from .runtime.config import ConfigError
+    from .verify.sequence_parallel import verify_sequence_parallel
+
+    steps = verify_args.gradient_accumulation_steps
+    if verify_args.objective not in ("auto", "causal_lm") or steps % sp_size:
+        raise ConfigError(
+            f"verify with sp_size={sp_size} checks SFT (--objective causal_lm) with --gradient_accumulation_steps a "
+            f"multiple of {sp_size} (each rank's batch runs as {sp_size} shards); got --objective "
+            f"{verify_args.objective} --gradient_accumulation_steps {steps}."
+        )
+    model, tokenizer = load_model_and_tokenizer(model_args, seed=verify_args.seed)
+    need = verify_args.per_device_train_batch_size * steps // sp_size * accelerator.num_processes
+    examples = build_examples(data_args, tokenizer, count=max(2 * need, 32), seed=verify_args.seed)
+    report = verify_sequence_parallel(
+        model,
+        [examples[i] for i in range(need)],
+        DataCollatorForCausalLM(tokenizer.pad_token_id),
+        micro_batch_size=verify_args.per_device_train_batch_size,
+        gradient_accumulation_steps=steps,
+        accelerator=accelerator,
+        tolerance=verify_args.tolerance,
     )
     return _finish_verify(report, verify_args, accelerator)
 

@@ -24,6 +24,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
 import hfacc.training.trainer as trainer_module  # noqa: E402
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama  # noqa: E402
+from hfacc.cli import main as main_cli  # noqa: E402
 from hfacc.ops.loss import WindowCounts  # noqa: E402
 from tests.distributed_check import imbalanced_examples  # noqa: E402
 from tests.engine_check import full_parameters  # noqa: E402
@@ -140,10 +141,14 @@ def main(out_path):
             results["controls"][name] = trainer_case(examples, bs, ga, *reference)
         finally:
             trainer_module.count_window, trainer_module.with_labels = original_count, original_labels
+    # hfacc verify on this layout (the embedded tiny Llama and data), as `accelerate launch ... -m hfacc.cli verify`
+    # runs it; last, since it ends the process group.
+    report = Path(tempfile.mkdtemp()) / "verify.json"
+    argv = ["verify", "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", str(2 * sp)]
+    code = main_cli([*argv, "--json_path", str(report)])
     if rank == 0:
+        results["verify"] = {"exit_code": code, **json.loads(report.read_text())}
         Path(out_path).write_text(json.dumps(results, indent=2))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

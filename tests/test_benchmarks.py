@@ -112,6 +112,7 @@ QUICK_TESTS = {  # every script has its quick run above
     "engines",
     "grpo",
     "layout_zoo",
+    "long_context",
     "memory_soak",
     "reward_kto",
     "streaming_memory",
@@ -137,3 +138,17 @@ def test_the_gpu_benchmark_smoke_runs_on_cpu(tmp_path, capsys):
         assert title in text
     rows = {row.split(" | ")[0][2:]: row for row in table_rows(text)}
     assert {"stock", "hfacc_padded", "hfacc"} <= set(rows), rows
+
+
+def test_the_long_context_benchmark_runs_small_on_cpu():
+    """benchmarks/long_context.py's one-device layout on the tiny config (the GPU run launches the Ulysses layout
+    the same way, through accelerate_configs/deepspeed_ulysses.yaml; tests/test_sequence_parallel.py launches that
+    engine on CPU): every length up to --max_length trains a step and lands in the table."""
+    import argparse
+
+    bench = load_benchmark("long_context")
+    args = argparse.Namespace(model="tiny", start=32, max_length=64, budget_s=60.0, cpu=True)
+    layout = bench.run_layout(args, 1, 1)
+    assert [r["length"] for r in layout["results"]] == [32, 64], layout
+    assert all(r["tokens_per_s"] > 0 for r in layout["results"])
+    assert "| 1 device(s), sp 1 | 64 |" in bench.table("tiny", [layout])

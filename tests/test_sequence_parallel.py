@@ -94,3 +94,10 @@ def test_every_split_on_sp2_equals_the_big_batch(ulysses):
 )
 def test_each_broken_rule_misses_the_big_batch(ulysses, control):
     assert ulysses["controls"][control]["grad_error"] > 100 * GRAD_TOL
+
+
+@pytest.mark.distributed
+def test_hfacc_verify_reads_sp_size_from_the_accelerate_config_and_passes(ulysses):
+    report = ulysses["verify"]
+    assert report["exit_code"] == 0 and report["passed"] and report["sp_size"] == 2, report
+    assert report["error"] <= GRAD_TOL and report["num_targets"] > 0

@@ -68,6 +68,11 @@ class VerifyArguments:
             "precision, next to that precision's noise floor (informational: PASS is the fp32 check): bf16, fp16."
         },
     )
+    sp_size: int = field(
+        default=0,
+        metadata={"help": "Sequence-parallel size to check (DeepSpeed Ulysses, under a DeepSpeed launch); 0: the "
+                  "accelerate config's (parallelism_config_sp_size), 1 without one."},
+    )  # fmt: skip
     num_worst: int = field(default=5, metadata={"help": "How many of the worst parameter tensors to list."})
     seed: int = field(default=0, metadata={"help": "Seed of the data sampling and of random ops."})
     fused_loss: bool = training_field("fused_loss")
