@@ -229,8 +229,9 @@ class DataArguments:
     embedded_dataset: str = field(
         default="instructions",
         metadata={
-            "help": "The embedded dataset (no dataset_name): 'instructions' (six text skills) or 'shapes' "
-            "(pictures of shapes with questions, for a vision-language model).",
+            "help": "The embedded dataset (no dataset_name): 'instructions' (six text skills), 'shapes' "
+            "(pictures of shapes with questions, for a vision-language model) or 'tools' (3-digit products, "
+            "half of them with a multiply tool call: the format hfacc grpo --embedded_dataset tools needs).",
             "choices": list(EMBEDDED_DATASETS),
         },
     )

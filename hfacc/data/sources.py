@@ -246,16 +246,20 @@ def _csv_problem(path: Path) -> str | None:
     return None
 
 
-EMBEDDED_DATASETS = ("instructions", "shapes")
+EMBEDDED_DATASETS = ("instructions", "shapes", "tools")
 
 
 def generate_embedded_rows(kind: str, n: int, seed: int) -> list[dict]:
-    """The embedded dataset's rows: generated ``"instructions"`` (:mod:`hfacc.data.embedded`) or ``"shapes"``
-    (:mod:`hfacc.data.embedded_vision`)."""
+    """The embedded dataset's rows: generated ``"instructions"`` (:mod:`hfacc.data.embedded`), ``"shapes"``
+    (:mod:`hfacc.data.embedded_vision`) or ``"tools"`` (tool-call conversations, :mod:`hfacc.data.embedded_tools`)."""
     if kind == "shapes":
         from .embedded_vision import generate_shape_examples
 
         return generate_shape_examples(n, seed=seed)
+    if kind == "tools":
+        from .embedded_tools import generate_tool_examples
+
+        return generate_tool_examples(n, seed=seed)
     if kind != "instructions":
         raise DataError(f"embedded_dataset={kind!r}: use one of {list(EMBEDDED_DATASETS)}.")
     from .embedded import generate_instruction_examples

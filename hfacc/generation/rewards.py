@@ -24,10 +24,12 @@ from ..ops.scores import get_sequence_scores, reward_model_problem
 
 
 def completion_text(completion: Any) -> str:
-    """The text of a completion: itself, or the content of its (last) assistant message."""
+    """The text of a completion: itself, or the content of its last assistant message (a multi-turn completion's
+    answer after its tool results; never a tool's result)."""
     if isinstance(completion, str):
         return completion
-    return str(completion[-1]["content"])
+    turns = [m for m in completion if m.get("role", "assistant") == "assistant"] or [{"content": ""}]
+    return str(turns[-1]["content"])
 
 
 def correctness(prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str], **columns) -> list[float]:
@@ -54,7 +56,23 @@ def similarity(prompts: Sequence[Any], completions: Sequence[Any], answer: Seque
     ]
 
 
-REWARDS: dict[str, Callable] = {"correctness": correctness, "similarity": similarity}
+def tool_use(prompts: Sequence[Any], completions: Sequence[Any], **columns) -> list[float]:
+    """Partial credit for a well-formed tool call: 1.0 where a multi-turn completion called a tool and no call
+    failed (a ``tool`` message that does not start with ``Error:``), else 0.0. Text completions score 0.
+
+    >>> call = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+    >>> tool_use(["q"] * 3, [[call, {"role": "tool", "content": "4"}], [call, {"role": "tool", "content": "Error: x"}],
+    ...                      [{"role": "assistant", "content": "4"}]])
+    [1.0, 0.0, 0.0]
+    """
+    out = []
+    for completion in completions:
+        results = [] if isinstance(completion, str) else [m for m in completion if m.get("role") == "tool"]
+        out.append(float(bool(results) and not any(str(m["content"]).startswith("Error:") for m in results)))
+    return out
+
+
+REWARDS: dict[str, Callable] = {"correctness": correctness, "similarity": similarity, "tool_use": tool_use}
 
 
 class RewardModelFunction:
@@ -174,7 +192,19 @@ def get_reward_funcs(names: Sequence[str]) -> list[Callable]:
     return funcs
 
 
-def _import_reward_function(name: str, module: str, attr: str):
+def import_function(name: str, what: str = "reward function"):
+    """The function ``name`` (``module:function``, or ``module.function``) stands for, imported from the Python path;
+    a DataError naming ``what`` it is for (a reward function, a tool) where it cannot be had."""
+    module, _, attr = name.partition(":") if ":" in name else name.rpartition(".")
+    if not (module and attr):
+        raise DataError(f"{what} {name!r}: give it as 'module:function'.")
+    func = _import_reward_function(name, module, attr, what)
+    if not callable(func):
+        raise DataError(f"{what} {name!r} is not callable.")
+    return func
+
+
+def _import_reward_function(name: str, module: str, attr: str, what: str = "reward function"):
     """``module.attr``, or a DataError that says what failed: the module not on the path (with the PYTHONPATH
     fix: the ``hfacc`` command and ``accelerate launch`` do not put the current folder on it), the module's own
     imports, or no such function in it."""
@@ -190,17 +220,17 @@ def _import_reward_function(name: str, module: str, attr: str):
                 else "it is not installed, and no folder on the path holds it"
             )
             raise DataError(
-                f"reward function {name!r}: no module {module!r} on the Python path ({detail}). Run with "
+                f"{what} {name!r}: no module {module!r} on the Python path ({detail}). Run with "
                 f"PYTHONPATH set to the folder that holds {top}.py, e.g. PYTHONPATH=. hfacc grpo ..."
             ) from err
-        raise DataError(f"reward function {name!r}: its module {module!r} does not import: {err}.") from err
+        raise DataError(f"{what} {name!r}: its module {module!r} does not import: {err}.") from err
     except Exception as err:  # an error inside the user's module: its own message says what
-        raise DataError(f"reward function {name!r}: importing {module!r} failed: {type(err).__name__}: {err}") from err
+        raise DataError(f"{what} {name!r}: importing {module!r} failed: {type(err).__name__}: {err}") from err
     if not hasattr(loaded, attr):
         names = [n for n in dir(loaded) if not n.startswith("_") and callable(getattr(loaded, n))]
         close = difflib.get_close_matches(attr, names, n=1)
         hint = f" Did you mean {module}:{close[0]}?" if close else ""
-        raise DataError(f"reward function {name!r}: module {module!r} has no {attr!r}.{hint}")
+        raise DataError(f"{what} {name!r}: module {module!r} has no {attr!r}.{hint}")
     return getattr(loaded, attr)
 
 
@@ -211,5 +241,7 @@ __all__ = [
     "correctness",
     "get_reward_function",
     "get_reward_funcs",
+    "import_function",
     "similarity",
+    "tool_use",
 ]

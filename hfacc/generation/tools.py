@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .engine import GenerationEngine, SamplingSettings
+from .engine import GenerationEngine, Samples, SamplingSettings
 
 logger = logging.getLogger(__name__)
 
@@ -354,6 +354,18 @@ class MultiTurnSampler:
                 self._add_turn(trajectories[i], ids, logps, full_prompts[i], budget, tools[i])
             rounds += 1
 
+    def answer(
+        self, engine: GenerationEngine, prompts: Sequence[Sequence[Mapping]], max_completion_length: int
+    ) -> list[Trajectory]:
+        """Greedy trajectories of ``prompts`` (held-out evaluation with tools): each turn is ``engine.answer``'s
+        greedy completion, the tools run between turns as in :meth:`sample`."""
+        return self.sample(
+            _GreedyEngine(engine, self.tokenizer.eos_token_id),
+            prompts,
+            [self.prompt_ids(p) for p in prompts],
+            SamplingSettings(max_completion_length),
+        )
+
     # ---- one turn of one trajectory --------------------------------------------------------------------------
     def _add_turn(self, t: Trajectory, ids: list[int], logps, full_prompt: list[int], budget: int, tools) -> None:
         tokenizer, eos = self.tokenizer, self.tokenizer.eos_token_id
@@ -422,6 +434,26 @@ class MultiTurnSampler:
         if key not in self.warned:
             self.warned.add(key)
             logger.warning(message)
+
+
+class _GreedyEngine(GenerationEngine):
+    """An engine's greedy answers in :meth:`GenerationEngine.sample`'s form: each stopped answer ends with EOS."""
+
+    def __init__(self, engine: GenerationEngine, eos_token_id: int):
+        super().__init__()
+        self.engine, self.eos_token_id = engine, eos_token_id
+
+    def sample(self, prompt_ids, settings, *, seed=None) -> Samples:
+        limit, eos = settings.max_completion_length, self.eos_token_id
+        answers = self.engine.answer(prompt_ids, limit)  # EOS left out: it is put back where the answer stopped
+        ids = [a + [eos] if len(a) < limit else a for a in answers]
+        return Samples(ids, [len(a) >= limit for a in answers])
+
+    def answer(self, prompt_ids, max_new_tokens):
+        return self.engine.answer(prompt_ids, max_new_tokens)
+
+    def sync_weights(self, model) -> None:
+        self.engine.sync_weights(model)
 
 
 __all__ = [

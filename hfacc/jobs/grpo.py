@@ -26,9 +26,11 @@ import torch
 from transformers import set_seed
 
 from ..data.formats import DataError
+from ..generation.engine import TransformersEngine
 from ..generation.evaluation import exact_match_by_group, generate_answers
-from ..generation.rewards import get_reward_funcs
+from ..generation.rewards import completion_text, get_reward_funcs
 from ..generation.rollout import SamplingSettings, build_rollout, is_conversational
+from ..generation.tools import get_tool_schemas
 from ..models.loading import ModelArguments, load_model_and_tokenizer
 from ..runtime.config import get_default_config, parse_args
 from ..training.checkpoint import check_run_before_loading, get_data_settings
@@ -96,6 +98,22 @@ class GRPOJobArguments:
         default_factory=lambda: ["correctness"],
         metadata={"help": "Reward functions: built-in 'correctness', 'similarity', or 'module:function'."},
     )
+    embedded_dataset: str = field(
+        default="instructions",
+        metadata={
+            "help": "Without --dataset_name: 'instructions' (the six embedded tasks) or 'tools' (3-digit products "
+            "with a multiply tool: the short SFT trains on its tool-call conversations, the prompts are its "
+            "questions, the tool is hfacc.data.embedded_tools:multiply unless --tools names others).",
+            "choices": ["instructions", "tools"],
+        },
+    )
+    tools: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Python functions the policy may call, as 'module:function' (type hints and a docstring with "
+            "an Args: section each): multi-turn rollouts, docs/tools_and_environments.md. Chat prompts only."
+        },
+    )
 
     def __post_init__(self):
         if self.sft_max_steps < 1:
@@ -112,6 +130,26 @@ class GRPOJobArguments:
                 )
         if self.num_probe_prompts < 1 or self.max_auto_tasks < 1 or not 0 <= self.min_varied_groups <= 1:
             raise ValueError("num_probe_prompts and max_auto_tasks must be >= 1, min_varied_groups in [0, 1].")
+        if self.embedded_dataset not in ("instructions", "tools"):
+            raise ValueError(f"embedded_dataset={self.embedded_dataset!r}: use 'instructions' or 'tools'.")
+
+    @property
+    def tool_task(self) -> bool:
+        """The embedded tool task (its prompts, its short SFT, its tool)."""
+        return self.dataset_name is None and self.embedded_dataset == "tools"
+
+
+def get_job_tools(job: GRPOJobArguments) -> list:
+    """The functions of ``--tools`` (``module:function``), or the embedded tool task's ``multiply``; none else."""
+    from ..generation.rewards import import_function
+
+    if job.tools:
+        return [import_function(name, "tool") for name in job.tools]
+    if job.tool_task:
+        from ..data.embedded_tools import multiply
+
+        return [multiply]
+    return []
 
 
 def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments) -> dict[str, Any]:
@@ -123,16 +161,30 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
     # The prompts as asked for (tasks 'auto', not the tasks it picks): the same on every launch of this run.
     data = get_data_settings(job, args)
     check_run_before_loading(args, job, args)  # before the policy loads or a short SFT runs
+    tools = get_job_tools(job)
+    if tools:
+        get_tool_schemas(tools)  # a tool without a schema is an error now, not after a short SFT
     model, tokenizer, source = load_policy(job, model_args, args)
     job = pick_tasks(job, model, tokenizer, funcs, args)  # tasks 'auto': where the policy's samples disagree
     train_prompts, eval_prompts = build_prompts(job, args.seed)
     main_process = args.process_index == 0
     trainer = GRPOTrainer(
-        model, funcs, args, train_dataset=train_prompts, processing_class=tokenizer, data_settings=data
+        model,
+        funcs,
+        args,
+        train_dataset=train_prompts,
+        processing_class=tokenizer,
+        tools=tools or None,
+        data_settings=data,
     )
+    sampler = trainer.tool_sampler
     # With vLLM the held-out prompts are answered by the trainer's engine too (built here, on every process at once).
     engine = trainer.engine if args.use_vllm else None
-    before = evaluate_policy(model, tokenizer, eval_prompts, funcs, args, engine=engine) if main_process else None
+    before = (
+        evaluate_policy(model, tokenizer, eval_prompts, funcs, args, engine=engine, tool_sampler=sampler)
+        if main_process
+        else None
+    )
     use_console(trainer)
     if main_process:
         per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
@@ -142,6 +194,7 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
         write(describe_run(model, args))
         write(
             f"data   {len(train_prompts):,} prompts / {len(eval_prompts):,} held out; rewards {', '.join(job.reward_funcs)}"
+            + (f"; tools {', '.join(sampler.tools)}" if sampler is not None else "")
         )
         write(
             f"batch  {per_step} completions per step ({args.num_generations} per prompt) x {args.world_size} "
@@ -150,16 +203,20 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
         )
         if before is not None:
             em = f"  exact match {before['exact_match']:.3f}" if "exact_match" in before else ""
-            write(f"eval   before: reward {before['reward']:.3f}{em}  ({len(eval_prompts)} held-out prompts)")
+            calls = f"  tool calls {before['tool_call_frequency']:.2f}" if "tool_call_frequency" in before else ""
+            write(f"eval   before: reward {before['reward']:.3f}{em}{calls}  ({len(eval_prompts)} held-out prompts)")
     result = trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     if engine is not None:  # the trained weights (on every process: a sharded policy is gathered for the copy)
         engine.update(trainer.accelerator.unwrap_model(trainer.model), version=trainer.state.global_step)
     after = (
-        evaluate_policy(trainer.model, tokenizer, eval_prompts, funcs, args, engine=engine) if main_process else None
+        evaluate_policy(trainer.model, tokenizer, eval_prompts, funcs, args, engine=engine, tool_sampler=sampler)
+        if main_process
+        else None
     )
     trainer.save_model()
     history = trainer.state.log_history
     rewards = [h["reward"] for h in history if "reward" in h]
+    tool_logs = [h for h in history if "tools/call_frequency" in h]
     metrics = {
         "train": result.metrics,
         "steps": trainer.state.global_step,
@@ -168,6 +225,9 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
         "tasks": job.tasks,
         "train_reward_first": rewards[0] if rewards else None,
         "train_reward_last": rewards[-1] if rewards else None,
+        # With tools, TRL's metrics of the first and last logged interval: calls per trajectory, failures per call.
+        "train_tools_first": _tool_rates(tool_logs[0]) if tool_logs else None,
+        "train_tools_last": _tool_rates(tool_logs[-1]) if tool_logs else None,
         # The whole run's, not the logged intervals' sum (steps after the last logging step count too): generation
         # on this process, training the rest of train()'s runtime.
         "generation_time_s": round(trainer.generation_seconds, 3),
@@ -183,6 +243,10 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
     return metrics
 
 
+def _tool_rates(logs: dict) -> dict[str, float]:
+    return {k.split("/")[1]: logs[k] for k in ("tools/call_frequency", "tools/failure_frequency", "tools/mean_turns")}
+
+
 def load_policy(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments):
     """``(model, tokenizer, where from)``: the model named, the SFT recipe's output, or a short SFT run here."""
     if model_args.model_name_or_path is None:
@@ -194,7 +258,7 @@ def load_policy(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArg
             source = f"a short SFT of {job.sft_max_steps} steps (no {job.sft_output_dir})"
             if args.process_index == 0:
                 write(f"no SFT model at {job.sft_output_dir} (recipes/sft.py makes one): a short SFT first")
-            run_short_sft(sft_dir, job.sft_max_steps, args, job.sft_num_examples, model_args)
+            run_short_sft(sft_dir, job.sft_max_steps, args, job.sft_num_examples, model_args, job.embedded_dataset)
         model_args = dataclasses.replace(model_args, model_name_or_path=str(sft_dir))
     else:
         source = f"from {model_args.model_name_or_path}"
@@ -205,10 +269,16 @@ def load_policy(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArg
 
 
 def run_short_sft(
-    output_dir: Path, steps: int, args: GRPOArguments, num_examples: int | None = None, model_args=None
+    output_dir: Path,
+    steps: int,
+    args: GRPOArguments,
+    num_examples: int | None = None,
+    model_args=None,
+    embedded_dataset: str = "instructions",
 ) -> None:
     """The SFT recipe's job, cut to ``steps`` optimizer steps (its cosine schedule included), saved to ``output_dir``;
-    the embedded model sized by ``model_args`` (``--embedded_hidden_size``, ``--embedded_num_layers``)."""
+    the embedded model sized by ``model_args`` (``--embedded_hidden_size``, ``--embedded_num_layers``), trained on
+    the ``embedded_dataset`` (the tool task: its tool-call conversations, at the learning rate the GRPO job gives)."""
     from .sft import DEFAULT_CONFIG as SFT_CONFIG
     from .sft import SFT_ARGUMENTS
     from .sft import main as sft_main
@@ -221,6 +291,8 @@ def run_short_sft(
     ]  # fmt: skip
     if num_examples is not None:
         argv += ["--num_embedded_examples", str(num_examples)]
+    if embedded_dataset != "instructions":
+        argv += ["--embedded_dataset", embedded_dataset, "--learning_rate", str(TOOL_SFT_LEARNING_RATE)]
     if model_args is not None:
         argv += ["--embedded_hidden_size", str(model_args.embedded_hidden_size)]
         argv += ["--embedded_num_layers", str(model_args.embedded_num_layers)]
@@ -234,6 +306,12 @@ def build_prompts(job: GRPOJobArguments, seed: int):
     without their last answer (the 'answer' column, which the correctness reward reads)."""
     import datasets
 
+    if job.tool_task:
+        from ..data.embedded_tools import generate_tool_prompt_rows
+
+        train = datasets.Dataset.from_list(generate_tool_prompt_rows(job.num_train_prompts, 1000 + seed))
+        held_out = generate_tool_prompt_rows(job.num_eval_prompts, 2000 + seed)
+        return train, datasets.Dataset.from_list(held_out) if held_out else train.select([])
     if job.dataset_name is not None:
         data = _load_prompts(job.dataset_name, job.dataset_train_split)
         if "prompt" not in data.column_names:
@@ -262,6 +340,10 @@ def embedded_prompt_rows(n: int, data_seed: int, tasks: Sequence[str] | None) ->
 
 
 AUTO_TASKS = "auto"
+# The short SFT of the tool task (a model of hidden size 64 in recipes/configs/tiny_grpo_tools.yaml): at the SFT
+# recipe's 2e-3 the copy of the digits (question -> call, result -> answer) was not learned in 600 steps; at 5e-3 it
+# was, after a plateau of about 350 steps.
+TOOL_SFT_LEARNING_RATE = 5e-3
 
 
 def pick_tasks(job: GRPOJobArguments, model, tokenizer, funcs, args: GRPOArguments) -> GRPOJobArguments:
@@ -277,6 +359,8 @@ def pick_tasks(job: GRPOJobArguments, model, tokenizer, funcs, args: GRPOArgumen
     """
     if job.tasks != [AUTO_TASKS] or job.dataset_name is not None:
         return job
+    if job.tool_task:
+        return dataclasses.replace(job, tasks=None)  # one task
     from ..data.embedded import TASKS
 
     names = sorted(TASKS)
@@ -318,11 +402,13 @@ def _load_prompts(name: str, split: str):
 
 
 def evaluate_policy(
-    model, tokenizer, prompts, funcs, args: GRPOArguments, samples: int = 4, engine=None
+    model, tokenizer, prompts, funcs, args: GRPOArguments, samples: int = 4, engine=None, tool_sampler=None
 ) -> dict[str, Any] | None:
     """The held-out prompts' mean reward over ``samples`` completions each, sampled as training samples them (same
     temperature, seeded), and the exact match of greedy answers (the SFT recipe's measure); sampled and answered by
-    ``engine`` (vLLM, holding ``model``'s weights) when given, else by ``model.generate``."""
+    ``engine`` (vLLM, holding ``model``'s weights) when given, else by ``model.generate``. With ``tool_sampler``
+    both are multi-turn, the tools run between turns (the greedy answer is the last assistant turn's), and the
+    greedy trajectories' tool calls per prompt and failures per call are reported."""
     if len(prompts) == 0:
         return None
     rows = list(prompts)
@@ -331,9 +417,22 @@ def evaluate_policy(
         settings = SamplingSettings(args.max_completion_length, args.temperature, args.top_p, args.top_k)
         rollout = build_rollout(engine or model, tokenizer, rows, funcs, num_generations=samples, settings=settings,
                                 reward_weights=args.reward_weights, max_prompt_length=args.max_prompt_length,
-                                seed=args.seed + 1)  # fmt: skip
+                                seed=args.seed + 1, tool_sampler=tool_sampler)  # fmt: skip
     result = {"reward": rollout.total.mean().item(), "samples_per_prompt": samples}
-    if "answer" in prompts.column_names:
+    if tool_sampler is not None and "answer" in prompts.column_names:
+        trajectories = tool_sampler.answer(engine or TransformersEngine(model, tokenizer), prompts["prompt"],
+                                           args.max_completion_length)  # fmt: skip
+        answers = [completion_text(t.messages).strip() for t in trajectories]
+        calls = sum(t.tool_calls for t in trajectories)
+        result["tool_call_frequency"] = calls / len(trajectories)
+        result["tool_failure_frequency"] = sum(t.tool_failures for t in trajectories) / calls if calls else 0.0
+        pairs = [(None, str(r).strip(), a) for r, a in zip(prompts["answer"], answers, strict=True)]
+        result["exact_match"] = sum(r == a for _, r, a in pairs) / len(pairs)
+        result["answers"] = [
+            {"prompt": _last_user_turn(p), "reference": r, "answer": a, "tool_calls": t.tool_calls}
+            for p, (_, r, a), t in zip(prompts["prompt"], pairs, trajectories, strict=True)
+        ][:6]
+    elif "answer" in prompts.column_names:
         conversations = [p if is_conversational(p) else [{"role": "user", "content": p}] for p in prompts["prompt"]]
         answers = generate_answers(
             model, tokenizer, conversations, max_new_tokens=args.max_completion_length, engine=engine
@@ -373,13 +472,30 @@ def format_summary(metrics: dict, output_dir: str) -> str:
             f"held-out reward      {before['reward']:.3f} -> {after['reward']:.3f} (mean of {n} samples per prompt)"
         )
         if "exact_match" in before:
-            lines.append(f"held-out exact match {before['exact_match']:.3f} -> {after['exact_match']:.3f} (greedy)")
+            tools = " with tools" if "tool_call_frequency" in before else ""
+            lines.append(
+                f"held-out exact match {before['exact_match']:.3f} -> {after['exact_match']:.3f} (greedy{tools})"
+            )
+        if "tool_call_frequency" in before:
+            lines.append(
+                f"held-out tool calls  {before['tool_call_frequency']:.2f} -> {after['tool_call_frequency']:.2f} per "
+                f"prompt, failures {before['tool_failure_frequency']:.2f} -> {after['tool_failure_frequency']:.2f} "
+                "per call (greedy)"
+            )
         by_task = after.get("exact_match_by_task", {})
         if by_task:
             was = before.get("exact_match_by_task", {})
             lines.append(
                 "  by task: " + ", ".join(f"{t} {was.get(t, 0):.2f}->{s:.2f}" for t, s in sorted(by_task.items()))
             )
+    first, last = metrics.get("train_tools_first"), metrics.get("train_tools_last")
+    if first and last:
+        lines.append(
+            f"train tool calls     {first['call_frequency']:.2f} -> {last['call_frequency']:.2f} per completion, "
+            f"failures {first['failure_frequency']:.2f} -> {last['failure_frequency']:.2f} per call, turns "
+            f"{first['mean_turns']:.2f} -> {last['mean_turns']:.2f} (sampled; tools/call_frequency, "
+            "tools/failure_frequency, tools/mean_turns)"
+        )
     lines += [
         f"time                 generation {metrics['generation_time_s']:.1f} s, training {metrics['training_time_s']:.1f} s",
         f"wall time            {metrics.get('wall_time_s')} s",
