@@ -444,12 +444,24 @@ class TokenWeightedTrainer(Trainer):
         self.meter.reset_eval()
         loss_only = prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
         self._eval_needs_logits = not loss_only
+        # Evaluation before training under ZeRO-1/2: stock asks DeepSpeed for an inference engine, which exists for
+        # ZeRO-3 only ("ZeRO inference only makes sense with ZeRO Stage 3"). Until train() prepares it, every rank
+        # holds the whole model: it evaluates as it is, and train() then prepares it as if nothing had.
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        unprepared = self.is_deepspeed_enabled and self.deepspeed is None and plugin and plugin.zero_stage < 3
         try:
+            if unprepared:
+                self.is_deepspeed_enabled = False
             output = super().evaluation_loop(
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
         finally:
             self._eval_needs_logits = True
+            if unprepared:
+                self.is_deepspeed_enabled = True
+                self.accelerator._models = [m for m in self.accelerator._models if m is not self.model]
+                self.model._is_accelerate_prepared = False
+                self.model_wrapped = self.model
         totals = self.meter.eval_totals(self.accelerator)
         if totals is not None:
             output.metrics.update(self.objective.metric_logs(totals, prefix=f"{metric_key_prefix}_"))
