@@ -241,6 +241,7 @@ def _verify_policy_gradient(verify_args, model, tokenizer, examples, accelerator
         importance_sampling_level=verify_args.importance_sampling_level,
         advantage_estimator=verify_args.advantage_estimator,
         multi_objective_aggregation=verify_args.multi_objective_aggregation,
+        multi_turn=verify_args.multi_turn,
     )
     return _finish_verify(report, verify_args, accelerator)
 

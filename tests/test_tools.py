@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import logging
 import time
 
@@ -655,3 +656,72 @@ def test_two_ranks_give_the_big_batch_of_the_policy_tokens(tmp_path):
     assert online["error"] <= 1e-6 and online["prompts_differ"]
     assert online["call_frequency"] == 1.0 and online["mean_turns"] == online["turns_both"] / 16
     assert online["num_completion_tokens"] == online["policy_tokens_both"]
+
+
+# ---- 5. the demo's job: hfacc grpo with a tool ---------------------------------------------------------------------
+def test_the_tool_task_and_a_bad_tool_name(capsys):
+    """The embedded tool task: 70% of its SFT conversations call multiply (right arguments, the product as the result
+    and the answer), the others answer at once; its GRPO prompts ask the same questions. ``--tools`` naming no
+    importable function is one line (exit 2), before any model work."""
+    from hfacc.cli import main as cli_main
+    from hfacc.data.embedded_tools import generate_tool_examples, generate_tool_prompt_rows
+
+    rows = generate_tool_examples(200, seed=3)
+    calls = [r for r in rows if len(r["messages"]) == 4]
+    assert 0.6 < len(calls) / len(rows) < 0.8 and all(r["tools"][0]["function"]["name"] == "multiply" for r in rows)
+    for row in calls:
+        question, turn, result, answer = row["messages"]
+        a, b = turn["tool_calls"][0]["function"]["arguments"].values()
+        assert question["content"] == f"What is {a} x {b}?" and result["content"] == answer["content"] == str(a * b)
+        assert len(answer["content"]) == 6  # one layout: every product has six digits
+    prompts = generate_tool_prompt_rows(4, seed=1)
+    assert all(eval(p["prompt"][0]["content"][8:-1].replace("x", "*")) == int(p["answer"]) for p in prompts)
+    with pytest.raises(SystemExit) as exited:
+        cli_main(["grpo", "--config", "recipes/configs/tiny_grpo_tools.yaml", "--tools", "nosuch_module:f"])
+    assert exited.value.code == 2
+    assert "tool 'nosuch_module:f': no module 'nosuch_module' on the Python path" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_hfacc_grpo_with_a_tool_reports_the_tool_rates(tmp_path, capsys):
+    """recipes/configs/tiny_grpo_tools.yaml shortened, the tool named on the command line (``--tools``): a short SFT
+    on the tool task's conversations, GRPO with the tool, and the summary's tool call and failure rates, greedy
+    held-out and sampled in training, also in metrics.json."""
+    from hfacc.cli import main as cli_main
+
+    out = tmp_path / "grpo"
+    argv = ["grpo", "--config", "recipes/configs/tiny_grpo_tools.yaml", "--tools", "tests.test_tools:multiply"]
+    argv += ["--sft_output_dir", str(tmp_path / "none"), "--sft_max_steps", "2", "--sft_num_examples", "64"]
+    argv += ["--max_steps", "1", "--num_train_prompts", "8", "--num_eval_prompts", "4", "--logging_steps", "1"]
+    argv += ["--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1", "--num_generations", "4"]
+    argv += ["--disable_tqdm", "true", "--output_dir", str(out)]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "tools multiply" in printed and "held-out exact match" in printed and "(greedy with tools)" in printed
+    assert "held-out tool calls" in printed and "train tool calls" in printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    for when in ("before", "after"):
+        assert {"tool_call_frequency", "tool_failure_frequency", "exact_match"} <= set(metrics[when])
+    assert set(metrics["train_tools_last"]) == {"call_frequency", "failure_frequency", "mean_turns"}
+
+
+def test_hfacc_verify_checks_multi_turn_rows():
+    """``hfacc verify --objective grpo --multi_turn true``: the model's own rollout with a tool result of uneven
+    length between two turns of each completion; every step equals its big batch over the policy's tokens, and the
+    big batch whose denominators also count the tool tokens does not."""
+    from hfacc.verify.equivalence import verify_policy_gradient
+    from tests.grpo_setup import build_policy, build_prompts
+
+    policy, tokenizer = build_policy()
+    prompts = [
+        tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in build_prompts()["prompt"]
+    ]
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    report = verify_policy_gradient(
+        policy, tokenizer, ids, micro_batch_size=2, gradient_accumulation_steps=2, loss_types=["token", "sequence"],
+        multi_turn=True,
+    )  # fmt: skip
+    assert report.passed and report.rollout["tool_tokens"] > report.rollout["completion_tokens"] / 4
+    assert all(e <= 1e-6 for by in report.errors.values() for errs in by.values() for e in errs)
+    assert min(report.tool_counting_errors.values()) > 1e-2, report.tool_counting_errors  # 1e4 x the tolerance
+    assert "denominators that also count the tool tokens" in report.format()

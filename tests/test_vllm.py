@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hfacc.generation.engine import SamplingSettings
+from hfacc.generation.engine import GenerationEngine, Samples, SamplingSettings
 from hfacc.generation.evaluation import generate_answers
 from hfacc.generation.vllm_engine import is_vllm_available
 from tests.grpo_setup import build_policy, build_prompts, rollout_rows, run_grpo
@@ -275,6 +275,107 @@ def test_on_policy_distillation_samples_on_vllm(in_step, engine, tmp_path):
         assert relative_error(capture.grads[step], want) <= 1e-6, step
     first, last = steps[0]["weights"], steps[-1]["weights"]
     assert max((first[k] - last[k]).abs().max().item() for k in first) > 1e-3  # the copies carry real changes
+
+
+# ---- multi-turn rollouts with tools and environments: the same engine ---------------------------------------------
+class FirstTurnCallsOnVLLM(GenerationEngine):
+    """vLLM's samples, except that a trajectory's first turn is ``forced`` (a call: a tiny random policy would rarely
+    write one), with the policy's own log-probs of it (in step, the engine's weights are the policy's). Every later
+    turn is vLLM's, with vLLM's log-probs; the tool results between are context."""
+
+    name, returns_logps = "vllm", True
+
+    def __init__(self, engine, model, tokenizer, forced: str):
+        super().__init__()
+        self.engine, self.model, self.tokenizer = engine, model, tokenizer
+        self.forced = tokenizer(forced, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    def sample(self, prompt_ids, settings, *, seed=None):
+        out = self.engine.sample(prompt_ids, settings, seed=seed)
+        ids, logps = list(out.completion_ids), list(out.logps)
+        for i, prompt in enumerate(prompt_ids):
+            if "<|im_start|>tool" not in self.tokenizer.decode(prompt):  # the first turn: no tool result yet
+                with torch.no_grad():
+                    mine = token_logps(self.model, list(prompt) + self.forced)[len(prompt) - 1 :]
+                ids[i], logps[i] = list(self.forced), mine.tolist()
+        return Samples(ids, [c[-1] != self.tokenizer.eos_token_id for c in ids], logps)
+
+    def answer(self, prompt_ids, max_new_tokens):
+        return self.engine.answer(prompt_ids, max_new_tokens)
+
+    def sync_weights(self, model):
+        self.engine.sync_weights(model)
+        self.model = model
+
+
+def last_turn_digest(prompts, completions, **kwargs):
+    """:func:`digest` of the last turn (the first is the forced call)."""
+    return digest(prompts, [[c[-1]] for c in completions])
+
+
+def run_multi_turn(engine, tmp_path, forced, **kwargs):
+    """Two GRPO steps on the module's engine with multi-turn rollouts: (trainer, capture, start)."""
+    from hfacc import GRPOArguments, GRPOTrainer
+    from tests.grpo_setup import CaptureSteps
+
+    model, tokenizer = build_policy(0, **POLICY)
+    start = copy.deepcopy(model)
+    engine.version = None  # this policy's weights go in at the first generation
+    args = GRPOArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
+        max_completion_length=100, max_steps=2, learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
+        use_cpu=True, disable_tqdm=True, seed=0, max_grad_norm=0.0, max_tool_calling_iterations=1, use_vllm=True,
+        temperature=TEMPERATURE, lr_scheduler_type="constant",
+    )  # fmt: skip
+    wrapper = FirstTurnCallsOnVLLM(engine, model, tokenizer, forced)
+    trainer = GRPOTrainer(
+        model, kwargs.pop("reward_funcs", last_turn_digest), args, train_dataset=build_prompts(), processing_class=tokenizer,
+        engine=wrapper, **kwargs,
+    )  # fmt: skip
+    capture = CaptureSteps(trainer)
+    trainer.add_callback(capture)
+    trainer.train()
+    return trainer, capture, start
+
+
+def check_multi_turn_steps(trainer, capture, start, tool_result):
+    """Each step: the rows' targets are the policy's tokens only (the tool result -100, its sampler log-prob 0),
+    the sampler/policy difference over those tokens <= 1e-3 (with the tool tokens' 0.0 in it, it would be about 5),
+    and the step equals the hand-written big batch of its rollout, importance weights included."""
+    assert trainer.state.global_step == 2 and len(capture.grads) == 2
+    for step in range(2):
+        rollout = capture.rollouts[step]
+        assert sum(rollout.tool_calls) == 8 and sum(rollout.tool_failures) == 0 and min(rollout.turns) == 2
+        rows = rollout_rows(rollout)
+        for row in rows:
+            targets = [i for i, y in enumerate(row["labels"]) if y != -100]
+            gap = [i for i in range(targets[0], targets[-1]) if row["labels"][i] == -100]
+            assert gap and all(row["sampler_logps"][i] == 0.0 for i in gap)  # the tool tokens: context
+            assert all(len(row[k]) == len(row["input_ids"]) for k in ("importance_weights", "sampler_logps"))
+        assert all(any(m["role"] == "tool" and m["content"] in tool_result for m in c) for c in rollout.completions)
+        assert step_gradient_error(capture, step, rows, start) <= 1e-6, step
+    assert max(logged(trainer, "sampling/sampling_logp_difference/max")) <= 1e-3
+    assert logged(trainer, "tools/call_frequency") == [1.0, 1.0]
+
+
+def test_grpo_with_a_python_tool_trains_on_vllm(engine, tmp_path):
+    from tests.test_tools import call, multiply
+
+    trainer, capture, start = run_multi_turn(engine, tmp_path, call("multiply", a=6, b=7), tools=[multiply])
+    check_multi_turn_steps(trainer, capture, start, ["42"])
+
+
+def test_grpo_with_an_environment_trains_on_vllm(engine, tmp_path):
+    from tests.test_tools import Guessing, call
+
+    def short(prompts, completions, environments, **kwargs):
+        return [1.0 / (1 + len(c[-1]["content"])) for c in completions]
+
+    trainer, capture, start = run_multi_turn(
+        engine, tmp_path, call("guess", n=1), reward_funcs=short, environment_factory=Guessing
+    )
+    check_multi_turn_steps(trainer, capture, start, ["right", "wrong"])
+    assert "rewards/Guessing/mean" in trainer.state.log_history[0]
 
 
 # ---- the jobs' held-out answers: the same switch ------------------------------------------------------------------

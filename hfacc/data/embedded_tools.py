@@ -42,7 +42,7 @@ def _question(rng: random.Random) -> tuple[list[dict], int, int]:
     return [{"role": "user", "content": f"What is {a} x {b}?"}], a, b
 
 
-def generate_tool_examples(n: int = 4000, seed: int = 0, direct_fraction: float = 0.5) -> list[dict]:
+def generate_tool_examples(n: int = 4000, seed: int = 0, direct_fraction: float = 0.3) -> list[dict]:
     """``n`` SFT rows ``{"messages", "tools", "task"}``: a question, the assistant's ``multiply`` call, the tool's
     result and the answer; ``direct_fraction`` of them answer at once instead (no call). The same for the same seed.
 

@@ -96,6 +96,12 @@ class VerifyArguments:
         default="sum_then_normalize",
         metadata={"help": "With --objective grpo: 'normalize_then_sum' is GDPO's advantage (one reward here)."},
     )  # fmt: skip
+    multi_turn: bool = field(
+        default=False,
+        metadata={"help": "With --objective grpo: multi-turn rows, as tools make them: each completion is two turns "
+                  "with a tool result of seeded uneven length between (context: labels -100, in no count); the "
+                  "comparison shows the big batch whose denominators also count the tool tokens."},
+    )  # fmt: skip
 
     def __post_init__(self):
         if self.per_device_train_batch_size < 1 or self.gradient_accumulation_steps < 1:
@@ -469,6 +475,7 @@ class PolicyGradientVerifyReport:
     rollout: dict[str, Any]
     findings: list[Finding]
     model: str
+    tool_counting_errors: dict[str, float] = field(default_factory=dict)
 
     def format(self) -> str:
         r = self.rollout
@@ -478,7 +485,12 @@ class PolicyGradientVerifyReport:
             f"model       {self.model}",
             f"rollout     {r['completions']} completions sampled from the model ({r['num_generations']} per prompt, "
             f"up to {r['max_completion_length']} tokens: {r['completion_tokens']} completion tokens), "
-            f"{r['clipped_share']:.0%} of the ratios clipped",
+            f"{r['clipped_share']:.0%} of the ratios clipped"
+            + (
+                f"; multi-turn: {r['tool_tokens']} tool tokens between two turns (context)"
+                if "tool_tokens" in r
+                else ""
+            ),
             f"split       {r['micro_batch_size']} per micro-batch x {r['accumulation_steps']} micro-batches x "
             f"{r['world_size']} rank(s); steps_per_generation {' and '.join(r['steps_per_generation'])}",
             f"loss        {r['loss_path']}, beta {r['beta']} (k3 KL to a reference), importance_sampling_level "
@@ -496,6 +508,8 @@ class PolicyGradientVerifyReport:
             lines.append(
                 f"  {loss_type:<9s} two steps per generation, divided by the generation batch's units: {err:.2e}"
             )
+        for loss_type, err in self.tool_counting_errors.items():
+            lines.append(f"  {loss_type:<9s} denominators that also count the tool tokens: {err:.2e}")
         lines += ["", "checks:"]
         for f in self.findings:
             lines.append(f"  [{'ok' if f.ok else '!!'}] {f.name}: {f.message}")
@@ -533,6 +547,7 @@ def verify_policy_gradient(
     importance_sampling_level: str = "token",
     advantage_estimator: str = "grpo",
     multi_objective_aggregation: str = "sum_then_normalize",
+    multi_turn: bool = False,
 ) -> PolicyGradientVerifyReport:
     """Sample a fixed rollout from ``model`` and check, for every loss type, that each optimizer step of it —
     ``steps_per_generation`` = GA and 2 x GA, over the ranks of ``accelerator`` — gives the gradient of one big batch
@@ -548,6 +563,12 @@ def verify_policy_gradient(
     ``loss_types`` (None: all of them) and ``importance_sampling_level`` pick the variants (GSPO: ``"sequence"``,
     with its paper's bounds 3e-4 / 4e-4; CISPO's cap on the ratio is 1.2 here, so the rollout reaches it); the
     advantages are ``advantage_estimator`` / ``multi_objective_aggregation``'s over every rank's rewards.
+
+    ``multi_turn``: each completion (of 2 tokens or more) is split at a seeded point and a tool result of seeded
+    uneven length (1 to ``max_completion_length`` tokens, the tokenizer's ids of a tool-like text) goes between the
+    two turns, as :mod:`hfacc.generation.tools` makes rows: attended, labels -100, in no count. For the loss types
+    token and sequence, the comparison is the big batch whose denominators also count the tool tokens (its
+    policy-gradient term: TRL's replayed rows that lost their tool mask, verl's horizon with tool tokens).
     """
     from ..data.collator import DataCollatorForCausalLM
     from ..generation.rollout import SamplingSettings, build_rollout_rows, compute_advantages, sample_completions
@@ -585,6 +606,9 @@ def verify_policy_gradient(
     # completions, which is what the normalizer must get right (an untrained model samples only full lengths).
     cuts = torch.randint(1, max_completion_length + 1, (len(completions),), generator=generator).tolist()
     completions = [c[: max(1, min(n, len(c)))] for c, n in zip(completions, cuts, strict=True)]
+    masks = None
+    if multi_turn:
+        completions, masks = _add_tool_results(tokenizer, completions, max_completion_length, generator)
     rewards = torch.rand(len(completions), generator=generator, dtype=torch.float64)
     everyone_rewards = rewards
     if world > 1:  # batch statistics of the advantages are over every rank's completions
@@ -597,7 +621,7 @@ def verify_policy_gradient(
         advantage_estimator=advantage_estimator,
         multi_objective_aggregation=multi_objective_aggregation,
     )[rank * len(rewards) : (rank + 1) * len(rewards)]
-    rows = build_rollout_rows(mine, completions, advantages.tolist())
+    rows = build_rollout_rows(mine, completions, advantages.tolist(), masks)
     collate = DataCollatorForCausalLM(tokenizer.pad_token_id)
     with torch.no_grad():  # the old policy and the reference: the model's log-probs, moved by noise
         for row in rows:
@@ -657,7 +681,23 @@ def verify_policy_gradient(
         per = len(rows)
         return rows[local], [r for k in range(world) for r in everyone[k * per : (k + 1) * per][local]]
 
-    errors, micro, generation, clipped = {}, {}, {}, []
+    def counting_tool_tokens(objective, step_rows):
+        """The big batch whose denominators count the tool tokens too: each policy token's surrogate scaled by
+        (policy tokens) / (policy + tool tokens), of the step (token) or of its row (sequence)."""
+
+        def policy_and_tool(row):
+            targets = [i for i, y in enumerate(row["labels"]) if y != -100]
+            return len(targets), targets[-1] - targets[0] + 1 - len(targets)
+
+        sizes = [policy_and_tool(r) for r in step_rows]
+        step_share = sum(n for n, _ in sizes) / sum(n + t for n, t in sizes)
+        weighted = []
+        for row, (n, t) in zip(step_rows, sizes, strict=True):
+            share = step_share if objective.loss_type == "token" else n / (n + t)
+            weighted.append({**row, "importance_weights": [share] * len(row["input_ids"])})
+        return big_batch_gradient(objective, weighted)
+
+    errors, micro, generation, clipped, tool_counting = {}, {}, {}, [], {}
     gspo = importance_sampling_level == "sequence"
     for loss_type in loss_types:
         bounds = (3e-4, 4e-4) if gspo else (0.2, None)
@@ -686,6 +726,9 @@ def verify_policy_gradient(
         # Both steps' rows counted as one window (the generation batch), applied to the first step's rows.
         whole = count_window(objective.count, [_to(collate(rows), device)], accelerator, size=len(objective.units))
         generation[loss_type] = relative_error(step_gradient(objective, local, counts=whole)[0], want)
+        if multi_turn and loss_type in ("token", "sequence"):
+            got = step_gradient(objective, local)[0]
+            tool_counting[loss_type] = relative_error(got, counting_tool_tokens(objective, step_all))
     with torch.no_grad():
         batch = _to(collate(rows), device)
         _, sums = setup.objective(base, batch)
@@ -702,13 +745,12 @@ def verify_policy_gradient(
         errors=errors,
         micro_batch_errors=micro,
         generation_errors=generation,
+        tool_counting_errors=tool_counting,
         rollout={
             "completions": len(everyone),
             "num_generations": num_generations,
             "max_completion_length": max_completion_length,
-            "completion_tokens": sum(len(c) for c in completions)
-            if world == 1
-            else sum(sum(1 for y in r["labels"] if y != -100) for r in everyone),
+            "completion_tokens": sum(sum(1 for y in r["labels"] if y != -100) for r in everyone),
             "clipped_share": clipped[0],
             "micro_batch_size": micro_batch_size,
             "accumulation_steps": ga,
@@ -719,11 +761,30 @@ def verify_policy_gradient(
             "importance_sampling_level": importance_sampling_level,
             "advantages": advantage_estimator
             + (", GDPO's normalize_then_sum" if multi_objective_aggregation == "normalize_then_sum" else ""),
+            **({"tool_tokens": sum(m.count(False) for m in masks)} if multi_turn else {}),
         },
         findings=findings,
         model=f"{type(base).__name__}, {sum(p.numel() for _, p in named) / 1e6:.2f} M trainable parameters, "
         "checked in fp32",
     )
+
+
+def _add_tool_results(tokenizer, completions, max_completion_length: int, generator):
+    """``(completions, target masks)``: each completion of 2 ids or more split at a seeded point, a tool result of
+    seeded length (1 to ``max_completion_length`` ids of a tool-like text) between its two turns, masked out."""
+    text = tokenizer("\n[tool result] 42 17 0.5 ok", add_special_tokens=False)["input_ids"] or [0]
+    out, masks = [], []
+    for c in completions:
+        if len(c) < 2:
+            out.append(list(c))
+            masks.append([True] * len(c))
+            continue
+        split = int(torch.randint(1, len(c), (1,), generator=generator))
+        length = int(torch.randint(1, max_completion_length + 1, (1,), generator=generator))
+        tool = [text[i % len(text)] for i in range(length)]
+        out.append(list(c[:split]) + tool + list(c[split:]))
+        masks.append([True] * split + [False] * length + [True] * (len(c) - split))
+    return out, masks
 
 
 __all__ = [
