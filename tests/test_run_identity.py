@@ -191,6 +191,16 @@ def test_a_run_on_other_data_is_refused_and_the_first_runs_requeue_ends_with_its
     assert relative_error(load_file(out / "model.safetensors"), first_runs(job)[1]) <= TOL
 
 
+def test_the_requeue_may_name_its_data_file_by_an_absolute_path(first_runs, assets, tmp_path):
+    """A's requeue naming the same file by its absolute path (A named it relative to its directory) is A's own run:
+    it resumes checkpoint-1 and ends with A's uninterrupted weights. Before: refused as another run's data
+    (data.dataset_name 'data.jsonl' there, '/.../data.jsonl' here), with the override as the fix."""
+    out = killed_after_checkpoint_1(first_runs, "sft", tmp_path)
+    run("sft", assets, out, "--dataset_name", str(tmp_path / "data.jsonl"))
+    assert steps_trained(out) == ["checkpoint-1", "checkpoint-2"]
+    assert relative_error(load_file(out / "model.safetensors"), first_runs("sft")[1]) <= TOL
+
+
 def test_max_length_packing_and_the_chat_template_are_part_of_an_sft_run(first_runs, assets, tmp_path):
     """Run B with another max_length, with packing, or with a tokenizer of another chat template, in A's
     directory: refused for auto-resume and `last`, naming the setting. Before: the chat template (not among the

@@ -133,7 +133,9 @@ def get_run_settings(args, streaming: bool, data: Mapping[str, Any] | None = Non
 def get_data_settings(*sources) -> dict[str, Any]:
     """The fields of ``sources`` (a job's settings dataclasses, e.g. :class:`hfacc.data.sft.DataArguments`) that
     decide which rows a run trains on and how (:data:`DATA_SETTINGS`); those they lack are left out, and the embedded
-    default's (:data:`EMBEDDED_SETTINGS`) with a named dataset."""
+    default's (:data:`EMBEDDED_SETTINGS`) with a named dataset, and the name of local data (a file or folder): the
+    same file named by a relative or an absolute path, or from another directory, is the same run's; its rows
+    (:func:`get_dataset_identity`) tell other data apart."""
     values: dict[str, Any] = {}
     for source in sources:
         names = {f.name for f in dataclasses.fields(source)} if dataclasses.is_dataclass(source) else set()
@@ -141,6 +143,8 @@ def get_data_settings(*sources) -> dict[str, Any]:
     if values.get("dataset_name") is not None:
         for name in EMBEDDED_SETTINGS:
             values.pop(name, None)
+        if Path(values["dataset_name"]).exists():  # local data: its rows identify it, not how the path is spelled
+            values.pop("dataset_name")
     return values
 
 
