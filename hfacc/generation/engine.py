@@ -8,7 +8,7 @@ held-out answers. A trainer builds its engine once, from its arguments
     engine.update(policy, version=trainer.state.global_step)   # the policy's weights into the engine, if they moved
     samples = engine.sample(prompt_ids, settings, seed=...)     # completion ids, truncation, the sampler's log-probs
 
-Two engines implement it:
+Three engines implement it:
 
 - :class:`TransformersEngine` (``use_vllm=False``, the default): the policy's own ``generate``. It *is* the policy,
   so ``update`` has nothing to copy, and it returns no log-probs (the trainer computes the policy's own);
@@ -16,7 +16,10 @@ Two engines implement it:
   (``vllm_mode="colocate"``, TRL's default), which samples from a copy of the policy's weights. ``update`` copies
   them after every optimizer step that a generation follows, and it returns the log-prob of each sampled token
   under the distribution it sampled from (after the repetition penalty, the temperature, top-k and top-p), so that
-  the trainer can measure and correct the mismatch.
+  the trainer can measure and correct the mismatch;
+- :class:`hfacc.generation.server_engine.ServerEngine` (``vllm_mode="server"``): a vLLM server beside the trainer
+  (``hfacc vllm-serve``), the weights sent through vLLM's weight-transfer routes, their version checked before each
+  generation; with ``async_generation`` it samples the next generation while the current one trains.
 
 The engine that is the policy and the engine that copies it answer the same calls (``update``, ``sample``, ``answer``
 for greedy held-out answers), so a trainer never branches on which one it has.

@@ -38,7 +38,10 @@ _TOKENIZER = "set it on the tokenizer and save it (tokenizer.save_pretrained), t
 _DPO_LOSSES = "not available in hfacc's DPO (loss_type: sigmoid, ipo, hinge, robust, simpo; nll_weight for RPO)"
 _GRPO_LOSS = "not available in hfacc's GRPO family (loss_type, beta, epsilon, epsilon_high, scale_rewards)"
 _SAMPLING = "hfacc samples with temperature, top_p, top_k and repetition_penalty only"
-_VLLM_SERVER = "hfacc runs vLLM inside the training processes (vllm_mode colocate); there is no vLLM server"
+_VLLM_SERVER = (
+    "hfacc's vLLM server (vllm_mode server, hfacc vllm-serve) takes the weights over HTTP through vLLM's weight-transfer "
+    "routes, with no NCCL group, and serves the model vLLM picks"
+)
 _COMPLETIONS_LOG = "hfacc logs no completions table; the job's summary JSON holds sample answers"
 _REF_SYNC = "TR-DPO's reference updates are not available: hfacc's reference model stays frozen"
 
@@ -112,10 +115,6 @@ UNSUPPORTED: dict[str, str] = {
     "use_transformers_paged": "generation is transformers generate or colocated vLLM (use_vllm).",
     "vllm_model_impl": _VLLM_SERVER + ".",
     "vllm_structured_outputs_regex": _SAMPLING + ".",
-    "vllm_server_base_url": _VLLM_SERVER + ".",
-    "vllm_server_host": _VLLM_SERVER + ".",
-    "vllm_server_port": _VLLM_SERVER + ".",
-    "vllm_server_timeout": _VLLM_SERVER + ".",
     "vllm_group_port": _VLLM_SERVER + ".",
     "delta": _GRPO_LOSS + ".",
     "sapo_temperature_neg": _GRPO_LOSS + ".",
