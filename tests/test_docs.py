@@ -121,6 +121,10 @@ COMMANDS = {
         "skip",
         "the GRPO job (minutes, a short SFT first); tests/test_grpo.py runs the same job shortened",
     ),
+    "hfacc grpo --config recipes/configs/tiny_grpo_tools.yaml": (
+        "skip",
+        "the GRPO job with a tool (minutes, a short SFT first); tests/test_tools.py runs the same config shortened",
+    ),
     "accelerate launch recipes/dpo.py": (
         "skip",
         "the DPO job (minutes, with its short SFT); tests/test_recipe_dpo.py runs the same recipe shortened",
