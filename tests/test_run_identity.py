@@ -256,6 +256,23 @@ def test_the_override_continues_another_datas_checkpoint_and_says_so_once(first_
     assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2]  # step 1 is A's, resumed
 
 
+def test_a_packed_streams_read_ahead_buffer_is_part_of_its_run(first_runs, assets, tmp_path):
+    """A stream packs (or cuts token-budget micro-batches from) the rows of its read-ahead buffer: B, A's packed
+    stream with another --stream_buffer_size, packs other rows and is refused; without packing the buffer changes
+    nothing, and A's requeue with another one resumes and ends with A's weights. Before: B continued A's checkpoint
+    silently (0.005 off A's run in a CLI run of 8 steps)."""
+    packed = ["--packing", "true", "--max_length", "64"]
+    (tmp_path / "a").mkdir()
+    write_rows(tmp_path / "a" / "data.jsonl", rows_of("sft_stream", seed=0))
+    run("sft_stream", assets, tmp_path / "a" / "out", *packed, "--stream_buffer_size", "4")
+    shutil.rmtree(tmp_path / "a" / "out" / "checkpoint-2")
+    with pytest.raises(ConfigError, match=r"data\.stream_buffer_size 4 there, 8 here"):
+        run("sft_stream", assets, tmp_path / "a" / "out", *packed, "--stream_buffer_size", "8")
+    out = killed_after_checkpoint_1(first_runs, "sft_stream", tmp_path)
+    run("sft_stream", assets, out, "--stream_buffer_size", "8")
+    assert relative_error(load_file(out / "model.safetensors"), first_runs("sft_stream")[1]) <= TOL
+
+
 def test_a_streams_identity_is_a_hash_of_its_first_rows(assets, tmp_path):
     """A stream has no length: its identity hashes its first 16 rows (after the held-out ones), read again from its
     start without encoding them (training counts and says what it cuts). Before: a stream had no identity of its

@@ -482,6 +482,9 @@ class TokenWeightedTrainer(Trainer):
             "padding_free": bool(self.args.padding_free),
             **get_dataset_identity(self.train_dataset, self.processing_class),
         }
+        if streaming and (self.train_dataset.pack_length or self.args.max_tokens_per_batch):
+            # The read-ahead buffer decides which rows are packed or batched together (StreamBatches.reorders).
+            data["stream_buffer_size"] = self.train_dataset.buffer_size
         self._run_settings = get_run_settings(self.args, streaming, data)
         resume_from_checkpoint = prepare_run(self.args, self._run_settings, resume_from_checkpoint, self.model)
         if resume_from_checkpoint is not None and not streaming and holds_stream_state(resume_from_checkpoint):
