@@ -330,8 +330,8 @@ def run_multi_turn(engine, tmp_path, forced, **kwargs):
     )  # fmt: skip
     wrapper = FirstTurnCallsOnVLLM(engine, model, tokenizer, forced)
     trainer = GRPOTrainer(
-        model, kwargs.pop("reward_funcs", last_turn_digest), args, train_dataset=build_prompts(), processing_class=tokenizer,
-        engine=wrapper, **kwargs,
+        model, kwargs.pop("reward_funcs", last_turn_digest), args, train_dataset=build_prompts(),
+        processing_class=tokenizer, engine=wrapper, **kwargs,
     )  # fmt: skip
     capture = CaptureSteps(trainer)
     trainer.add_callback(capture)
