@@ -280,7 +280,8 @@ def test_on_policy_distillation_samples_on_vllm(in_step, engine, tmp_path):
 # ---- multi-turn rollouts with tools and environments: the same engine ---------------------------------------------
 class FirstTurnCallsOnVLLM(GenerationEngine):
     """vLLM's samples, except that a trajectory's first turn is ``forced`` (a call: a tiny random policy would rarely
-    write one), with the policy's own log-probs of it (in step, the engine's weights are the policy's). Every later
+    write one), with the policy's own log-probs of it at the sampling temperature (in step, the engine's weights are
+    the policy's, so these are what vLLM would give). Every later
     turn is vLLM's, with vLLM's log-probs; the tool results between are context."""
 
     name, returns_logps = "vllm", True
@@ -296,7 +297,7 @@ class FirstTurnCallsOnVLLM(GenerationEngine):
         for i, prompt in enumerate(prompt_ids):
             if "<|im_start|>tool" not in self.tokenizer.decode(prompt):  # the first turn: no tool result yet
                 with torch.no_grad():
-                    mine = token_logps(self.model, list(prompt) + self.forced)[len(prompt) - 1 :]
+                    mine = token_logps(self.model, list(prompt) + self.forced, settings.temperature)[len(prompt) - 1 :]
                 ids[i], logps[i] = list(self.forced), mine.tolist()
         return Samples(ids, [c[-1] != self.tokenizer.eos_token_id for c in ids], logps)
 
@@ -329,8 +330,8 @@ def run_multi_turn(engine, tmp_path, forced, **kwargs):
     )  # fmt: skip
     wrapper = FirstTurnCallsOnVLLM(engine, model, tokenizer, forced)
     trainer = GRPOTrainer(
-        model, kwargs.pop("reward_funcs", last_turn_digest), args, train_dataset=build_prompts(), processing_class=tokenizer,
-        engine=wrapper, **kwargs,
+        model, kwargs.pop("reward_funcs", last_turn_digest), args, train_dataset=build_prompts(),
+        processing_class=tokenizer, engine=wrapper, **kwargs,
     )  # fmt: skip
     capture = CaptureSteps(trainer)
     trainer.add_callback(capture)
@@ -368,12 +369,7 @@ def test_grpo_with_a_python_tool_trains_on_vllm(engine, tmp_path):
 def test_grpo_with_an_environment_trains_on_vllm(engine, tmp_path):
     from tests.test_tools import Guessing, call
 
-    def short(prompts, completions, environments, **kwargs):
-        return [1.0 / (1 + len(c[-1]["content"])) for c in completions]
-
-    trainer, capture, start = run_multi_turn(
-        engine, tmp_path, call("guess", n=1), reward_funcs=short, environment_factory=Guessing
-    )
+    trainer, capture, start = run_multi_turn(engine, tmp_path, call("guess", n=1), environment_factory=Guessing)
     check_multi_turn_steps(trainer, capture, start, ["right", "wrong"])
     assert "rewards/Guessing/mean" in trainer.state.log_history[0]
 

@@ -23,7 +23,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 # hfacc.generation.tools parses); a ``tool`` message is a turn like any other. Without tools and tool calls it
 # renders exactly what it rendered before they existed (the default run's tokens).
 CHAT_TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\nTools:' }}{% for tool in tools %}{% set t = tool['function'] if tool.get('function') else tool %}"
+    "{% if tools %}{{ '<|im_start|>system\nTools:' }}"
+    "{% for tool in tools %}{% set t = tool['function'] if tool.get('function') else tool %}"
     "{{ '\n' + t['name'] + '(' + (t.get('parameters', {}).get('properties', {}) | join(', ')) + '): ' }}"
     "{{ t.get('description', '') }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
     "{% for message in messages %}"
