@@ -319,6 +319,26 @@ def test_gemma4_trains_the_text_a_call_turn_writes_after_its_tool_results(caplog
     assert "not trained" not in caplog.text
 
 
+def test_gemma4_trains_a_call_turns_text_that_quotes_its_tool_result(caplog):
+    """The call turn's text may quote the result it follows (``<tool_response|>It is 22 C, sunny.<turn|>``). Before:
+    the quote, found after the text's start, read as a result written among the text: the text and ``<turn|>``
+    were left out, with a WARNING that hfacc could not tell them apart."""
+    import logging
+
+    tokenizer = tokenizer_for("gemma4")
+    call = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": "It is 22 C, sunny.", "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "tool_call_id": "a1", "content": "22 C, sunny"},
+    ]
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        ids, labels, _, _ = encode_row(tokenizer, {"messages": messages}, 0, "messages")
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert [text[a:b] for a, b in trained_spans(tokenizer, text, ids, labels)] == [call, "It is 22 C, sunny.<turn|>"]
+    assert "not trained" not in caplog.text
+
+
 def test_an_answer_a_template_writes_among_tool_results_untold_is_said_at_warning(caplog):
     """Where the template writes the call turn's text after its tool results but cannot be read there (here it
     also writes a marker before the call only when there is text, so the rendering without the text departs before

@@ -600,8 +600,9 @@ def _resumed(renderer: ChatRenderer, messages, k, tools, full: Rendering, conten
     if segment is None or segment[0] != start or bare.text[:start] != full.text[:start]:
         return None
     after = start + _common_prefix(full.text[start:end], bare.text[start : segment[1]], renderer.specials)
-    past = max(full.text.rfind(c, start, end) + len(c) for c in contents if c in full.text[start:end])
-    if after < past or own_text not in full.text[after:end]:
+    # Every result the segment holds is written before the text (the text may quote one: "It is 22 C, sunny").
+    written = [c for c in contents if c in full.text[start:end]]
+    if any(c not in full.text[start:after] for c in written) or own_text not in full.text[after:end]:
         return None
     return bare_messages, bare, after
 
