@@ -6,7 +6,8 @@
 One launch per layout (sp 2; dp 2 x sp 2 with 4 processes) runs every case; rank 0 writes the errors to OUT.json,
 which tests/test_sequence_parallel.py asserts. Each case is one SGD step of TokenWeightedTrainer on all 8 examples
 (the long ones cross the shard boundary, the short ones leave a shard without targets), its applied update recovered
-as (weights before - after) / lr; the controls break one rule of hfacc/runtime/sequence_parallel.py each.
+as (weights before - after) / lr; the controls break one rule of hfacc/runtime/sequence_parallel.py each. Then DPO on
+8 pairs against its big batch, and its control: each shard's sigmoid of its own sums, the pair counted on every shard.
 """
 
 import json

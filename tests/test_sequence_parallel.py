@@ -1,7 +1,7 @@
 """Sequence parallelism (DeepSpeed Ulysses through accelerate's ParallelismConfig): exact over data x sequence ranks.
 
 One launch of accelerate_configs/deepspeed_ulysses.yaml (2 CPU processes over gloo, sp 2) runs every split of one
-window and three controls (tests/sequence_parallel_check.py); the pure pieces of hfacc/runtime/sequence_parallel.py
+window and three controls, and DPO with its control (tests/sequence_parallel_check.py); the pure pieces of hfacc/runtime/sequence_parallel.py
 are checked here without processes.
 """
 
