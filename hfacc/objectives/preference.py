@@ -390,7 +390,9 @@ class DPOObjective(PairedRows, Objective):
         ref = ref_chosen = ref_rejected = None
         if self.needs_reference:
             ref = self._reference_logps(batch, inputs, targets, index, pairs).to(logps)
-        if self.sequence_parallel:  # each shard's sums -> the sequences' sums, before the nonlinearity
+        # Training batches are the engine's shards (evaluation batches are whole: the engine cuts the train loader's).
+        sharded = self.sequence_parallel and model.training
+        if sharded:  # each shard's sums -> the sequences' sums, before the nonlinearity
             logps, lengths = sum_over_sequence_group(logps), sum_over_sequence_group(lengths)
             ref = sum_over_sequence_group(ref) if ref is not None else None
         if ref is not None:
@@ -418,7 +420,7 @@ class DPOObjective(PairedRows, Objective):
             scores.chosen_rewards,
             scores.rejected_rewards,
         )
-        if self.sequence_parallel and not is_first_sequence_rank():
+        if sharded and not is_first_sequence_rank():
             # The pair is counted on the group's first rank: here it adds nothing, yet its loss stays in the graph
             # (times 0), so that every rank runs the all-reduce's backward, which brings the first rank's gradient.
             sums = PreferenceSums(*(t * 0 for t in sums))
