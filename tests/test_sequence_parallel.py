@@ -1,7 +1,7 @@
 """Sequence parallelism (DeepSpeed Ulysses through accelerate's ParallelismConfig): exact over data x sequence ranks.
 
 One launch of accelerate_configs/deepspeed_ulysses.yaml (2 CPU processes over gloo, sp 2) runs every split of one
-window and three controls (tests/sequence_parallel_check.py); the pure pieces of hfacc/runtime/sequence_parallel.py
+window and three controls, and DPO with its control (tests/sequence_parallel_check.py); the pure pieces of hfacc/runtime/sequence_parallel.py
 are checked here without processes.
 """
 
@@ -58,12 +58,16 @@ def test_padding_continues_positions_and_adds_no_target():
     assert padded["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3]] and padded["labels"].tolist()[0][3:] == [-100] * 3
 
 
-def test_objectives_without_token_units_are_refused_in_one_line():
+@pytest.mark.parametrize("name", ["kto", "reward", "grpo", "distill"])
+def test_objectives_not_reduced_over_the_sequence_group_are_refused_in_one_line(name):
     check_sequence_parallel_objective("causal_lm", 2)
-    check_sequence_parallel_objective("kto", 1)
-    with pytest.raises(NotImplementedError, match="objective 'kto' with sp_size=2") as err:
-        check_sequence_parallel_objective("kto", 2)
-    assert "\n" not in str(err.value)
+    check_sequence_parallel_objective("dpo", 2)
+    check_sequence_parallel_objective(name, 1)
+    with pytest.raises(
+        NotImplementedError, match=f"objective '{name}' with sp_size=2: .* supports causal_lm, dpo"
+    ) as e:
+        check_sequence_parallel_objective(name, 2)
+    assert "\n" not in str(e.value)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +98,19 @@ def test_every_split_on_sp2_equals_the_big_batch(ulysses):
 )
 def test_each_broken_rule_misses_the_big_batch(ulysses, control):
     assert ulysses["controls"][control]["grad_error"] > 100 * GRAD_TOL
+
+
+@pytest.mark.distributed
+def test_dpo_on_sp2_equals_the_big_batch(ulysses):
+    case = ulysses["dpo"]  # 8 pairs, bs 2 pairs, GA 4: each pair's rows cut over the 2 ranks of the sequence group
+    assert case["steps"] == 1 and case["sp_size"] == 2 and case["num_pairs"] == 8, case  # each pair counted once
+    assert case["grad_error"] <= GRAD_TOL and case["loss_error"] <= LOSS_TOL, case
+
+
+@pytest.mark.distributed
+def test_dpo_without_the_sums_reduced_before_the_sigmoid_misses_the_big_batch(ulysses):
+    control = ulysses["dpo_controls"]["sums not reduced before the sigmoid"]  # each shard's sigmoid, pair per shard
+    assert control["num_pairs"] == 16 and control["grad_error"] > 100 * GRAD_TOL, control
 
 
 @pytest.mark.distributed

@@ -35,6 +35,7 @@ from ..models.reference import ReferenceModel, build_reference_model
 from ..ops.logprobs import check_fused_logprobs, get_token_logprobs
 from ..ops.loss import IGNORE_INDEX, WindowCounts
 from ..runtime.distributed import all_ranks_agree, num_rows
+from ..runtime.sequence_parallel import get_sequence_parallel_size, is_first_sequence_rank, sum_over_sequence_group
 from .base import Objective, SetupContext, forward_inputs, get_targets
 from .causal_lm import get_batch_sequences
 
@@ -325,6 +326,9 @@ class DPOObjective(PairedRows, Objective):
         self.beta, self.loss_type, self.nll_weight, self.gamma = beta, loss_type, nll_weight, gamma
         self.ref_model, self.chunk_size, self.fused = ref_model, chunk_size, fused
         self.reference: ReferenceModel | None = None  # built by setup(): the frozen reference the losses compare with
+        # Under DeepSpeed Ulysses (set by setup()): each row is one shard of its sequences, whose sums
+        # are summed over the sequence group before the loss (hfacc/runtime/sequence_parallel.py).
+        self.sequence_parallel = False
 
     @property
     def needs_reference(self) -> bool:
@@ -344,6 +348,12 @@ class DPOObjective(PairedRows, Objective):
                 "chosen tokens); use 'token' (exact) or 'micro_batch' (the mean of micro-batch means, for comparison)."
             )
         self.reference = None  # a setup is for one model: never the reference of an earlier one
+        self.sequence_parallel = get_sequence_parallel_size(context.accelerator) > 1
+        if self.sequence_parallel and context.batch.get(REF_LOGPS) is not None:
+            raise NotImplementedError(
+                "precomputed ref_chosen_logps / ref_rejected_logps with sp_size > 1: DeepSpeed Ulysses shards every "
+                "tensor of a batch along the sequence; drop the columns (the reference is computed on the shards)."
+            )
         if not self.needs_reference or context.batch.get(REF_LOGPS) is not None:
             return
         self.reference = build_objective_reference(
@@ -366,7 +376,9 @@ class DPOObjective(PairedRows, Objective):
         targets = self._targets(batch) != IGNORE_INDEX
         pairs, owner = self._owners(batch, targets.shape)
         chosen = (targets & (owner >= 0) & (owner < pairs)).sum()
-        return torch.stack([torch.tensor(pairs), torch.tensor(2 * pairs), chosen.cpu()]).long()
+        # A pair lives on every shard of its sequence group: counted on the first (over data ranks only).
+        counted = 0 if self.sequence_parallel and not is_first_sequence_rank() else pairs
+        return torch.stack([torch.tensor(counted), torch.tensor(2 * counted), chosen.cpu()]).long()
 
     def __call__(self, model, batch, per_sequence=False):
         inputs, targets = self._inputs(batch), self._targets(batch)
@@ -375,9 +387,15 @@ class DPOObjective(PairedRows, Objective):
         index = owner[policy.mask]  # the sequence (original row) of every target, in the order of the log-probs
         logps = policy.logps.new_zeros(2 * pairs).index_add(0, index, policy.logps)
         lengths = torch.bincount(index, minlength=2 * pairs)
-        ref_chosen = ref_rejected = None
+        ref = ref_chosen = ref_rejected = None
         if self.needs_reference:
             ref = self._reference_logps(batch, inputs, targets, index, pairs).to(logps)
+        # Training batches are the engine's shards (evaluation batches are whole: the engine cuts the train loader's).
+        sharded = self.sequence_parallel and model.training
+        if sharded:  # each shard's sums -> the sequences' sums, before the nonlinearity
+            logps, lengths = sum_over_sequence_group(logps), sum_over_sequence_group(lengths)
+            ref = sum_over_sequence_group(ref) if ref is not None else None
+        if ref is not None:
             ref_chosen, ref_rejected = ref[:pairs], ref[pairs:]
         scores = preference_losses(
             logps[:pairs],
@@ -402,6 +420,10 @@ class DPOObjective(PairedRows, Objective):
             scores.chosen_rewards,
             scores.rejected_rewards,
         )
+        if sharded and not is_first_sequence_rank():
+            # The pair is counted on the group's first rank: here it adds nothing, yet its loss stays in the graph
+            # (times 0), so that every rank runs the all-reduce's backward, which brings the first rank's gradient.
+            sums = PreferenceSums(*(t * 0 for t in sums))
         # What the Trainer's prediction_step returns as predictions: each pair's two rewards (as TRL's logits).
         return torch.stack([scores.chosen_rewards, scores.rejected_rewards], dim=-1), sums
 

@@ -16,9 +16,13 @@ The engine sums the ranks' gradients over the sequence group and averages them o
 ``seq_data_parallel_group`` all-reduce divides by D), so the factor P of the README's formula (each rank backpropagates
 ``S_rj / N * P``) is D, the data-parallel size, not the world size (:func:`get_sequence_parallel_gradient_scale`).
 
-Torch's context parallelism (``cp_size``) is not supported (accelerate applies it with FSDP2 on CUDA only); nor are
-objectives whose unit is a whole sequence (a pair, a row, a group of completions): their per-sequence sums would have to
-be reduced over the sequence group before their nonlinearity.
+DPO's unit is a pair, whose sequences are split over the S shards: each shard's per-sequence log-prob sums (policy
+and reference) are summed over the sequence group (:func:`sum_over_sequence_group`, an autograd-aware all-reduce)
+BEFORE the sigmoid, and the pair is counted and its loss backpropagated on the group's first rank only (the
+all-reduce's backward carries that gradient to every shard); so pairs are counted over the D data ranks, target tokens
+over D x S, and P is D as for SFT. Torch's context parallelism (``cp_size``) is not supported (accelerate applies it
+with FSDP2 on CUDA only); nor are the other objectives whose unit is a whole sequence (KTO, reward, GRPO, distillation
+of sequences) yet.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import torch.nn.functional as F
 
 from ..ops.loss import IGNORE_INDEX, shift_labels
 
-# Objectives whose every unit is a target token (each shard's sums add up to the sequence's).
-TOKEN_OBJECTIVES = ("causal_lm",)
+# Objectives exact under sequence parallelism: causal_lm (every unit a target token: each shard's sums add up to the
+# sequence's) and dpo (its per-sequence sums summed over the sequence group before the nonlinearity).
+SEQUENCE_PARALLEL_OBJECTIVES = ("causal_lm", "dpo")
 
 
 def get_sequence_parallel_size(accelerator) -> int:
@@ -85,11 +90,39 @@ def check_parallelism(accelerator) -> None:
 
 def check_sequence_parallel_objective(name: str, sp_size: int) -> None:
     """Refuse an objective whose units are not all target tokens under sequence parallelism (one line)."""
-    if sp_size > 1 and name not in TOKEN_OBJECTIVES:
+    if sp_size > 1 and name not in SEQUENCE_PARALLEL_OBJECTIVES:
         raise NotImplementedError(
             f"objective {name!r} with sp_size={sp_size}: under sequence parallelism hfacc supports "
-            f"{', '.join(TOKEN_OBJECTIVES)}; set parallelism_config.sp_size=1 for this objective."
+            f"{', '.join(SEQUENCE_PARALLEL_OBJECTIVES)} (its per-sequence sums are not yet reduced over the sequence "
+            "group); set parallelism_config.sp_size=1 for this objective."
         )
+
+
+def get_sequence_group():
+    """DeepSpeed Ulysses' sequence group of this process (the ranks that hold the shards of the same rows)."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    return parallel_state_sp.get_sequence_parallel_group()
+
+
+def is_first_sequence_rank() -> bool:
+    """Whether this process holds the first shard of its sequence group's rows: where a whole-sequence unit (a pair)
+    is counted and its loss backpropagated."""
+    return torch.distributed.get_rank(group=get_sequence_group()) == 0
+
+
+def sum_over_sequence_group(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (per-sequence sums of this shard) summed over the sequence group: the whole sequences' sums. With
+    gradient, an autograd-aware all-reduce (its backward sums the ranks' gradients, so the loss of a pair backpropagated
+    on one rank reaches every shard's log-probs); without, a plain one."""
+    group = get_sequence_group()
+    if tensor.requires_grad:
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(tensor, group=group)
+    tensor = tensor.clone()
+    torch.distributed.all_reduce(tensor, group=group)
+    return tensor
 
 
 def presharded_labels(batch: Mapping[str, Any]) -> torch.Tensor:
@@ -185,3 +218,47 @@ class EqualLengthLoader:
             length = torch.tensor([batch["input_ids"].shape[-1]], device=batch["input_ids"].device)
             torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX)
             yield pad_to_length(batch, int(length.item()), self.pad_token_id)
+
+
+def fit_ulysses_attention(training: Callable[[], bool]) -> None:
+    """DeepSpeed's Ulysses attention made to run every forward of a training step, each on its shards:
+
+    - any number of rows: it asserts every query has the ``micro_batch_size`` rows it was registered with (accelerate
+      passes the loader's batch size), while a preference micro-batch of B pairs has 2B rows (and a last batch may
+      have fewer); its sequence length it already updates per forward (``seq_length_is_variable``), the rows are
+      updated likewise, from the query;
+    - modules in eval mode while ``training()`` (the policy trains): the engine runs a module in eval mode on its
+      local shard alone (accelerate's ``sp_disable_in_eval``, right for evaluation, whose batches are not cut), but a
+      frozen reference model runs in eval mode on the training shards and must see the whole sequence.
+
+    The registered attention (transformers' table, under its core implementation's name) is wrapped once."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for name in list(ALL_ATTENTION_FUNCTIONS.valid_keys()):
+        function = ALL_ATTENTION_FUNCTIONS[name]
+        cells = getattr(function, "__closure__", None) or ()
+        found = [c.cell_contents for c in cells if isinstance(c.cell_contents, UlyssesSPAttentionHF)]
+        if not found or getattr(function, "_hfacc_rows", False):
+            continue
+        ALL_ATTENTION_FUNCTIONS[name] = _on_shards(function, found[0], training)
+
+
+def _on_shards(function, attention, training):
+    def attention_with_rows(module, query, key, value, attention_mask, *args, **kwargs):
+        rows = query.shape[0]  # [batch, heads, sequence, head size] as transformers calls it
+        if rows != attention.batch_size:
+            attention.batch_size = rows
+            for field in ("required_query_shape", "required_key_value_shape", "required_context_shape"):
+                shape = list(getattr(attention, field))
+                shape[1] = rows
+                setattr(attention, field, torch.Size(shape))
+        local_in_eval = attention.disable_in_eval
+        attention.disable_in_eval = local_in_eval and not training()
+        try:
+            return function(module, query, key, value, attention_mask, *args, **kwargs)
+        finally:
+            attention.disable_in_eval = local_in_eval
+
+    attention_with_rows._hfacc_rows = True
+    return attention_with_rows

@@ -61,6 +61,7 @@ from ..runtime.sequence_parallel import (
     DataCollatorForSequenceParallel,
     EqualLengthLoader,
     check_sequence_parallel_objective,
+    fit_ulysses_attention,
     get_sequence_parallel_gradient_scale,
     get_sequence_parallel_size,
     init_deepspeed_comm,
@@ -323,6 +324,8 @@ class TokenWeightedTrainer(Trainer):
         """Take every per-model decision once, from the first micro-batch
         (:func:`hfacc.setup.model_setup.build_model_setup`): the objective, the layout, the loss path and what the
         objective sets up itself."""
+        if self.sp_size > 1:  # the engine's attention is registered by now (prepare): the reference's forwards too
+            fit_ulysses_attention(lambda: self.model.training)
         self.model_setup = build_model_setup(
             self.model,
             self._prepare_inputs(batch),
