@@ -28,11 +28,22 @@ from hfacc.generation.engine_weights import (
 class FakeVLLMServer:
     """``with FakeVLLMServer(model, tokenizer) as server: ... server.url``; ``server.stop()`` kills it mid-run."""
 
-    def __init__(self, model, tokenizer, *, max_model_len=512, vocabulary_shift=0, signature=None, dev_mode=True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        max_model_len=512,
+        vocabulary_shift=0,
+        signature=None,
+        dev_mode=True,
+        max_logprobs=20,
+    ):
         self.model = copy.deepcopy(model).eval()
         self.tokenizer, self.max_model_len, self.shift = tokenizer, max_model_len, vocabulary_shift
         self.signature = {**get_model_signature(model.config), **(signature or {})}
         self.dev_mode, self.version, self.lock = dev_mode, None, threading.Lock()
+        self.max_logprobs = max_logprobs  # vLLM's --max-logprobs (its default 20)
         self.completion_requests = 0  # /v1/completions answered
         self.updates = 0  # weight updates finished
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
@@ -93,8 +104,34 @@ class FakeVLLMServer:
         if path in ("/start_weight_update", "/reset_prefix_cache", "/pause", "/resume"):
             return 200, {}
         if path == "/v1/completions":
-            return 200, self.complete(body)
+            wanted = body.get("prompt_logprobs")
+            if wanted is not None and wanted > self.max_logprobs:
+                message = (
+                    f"Requested prompt logprobs of {wanted}, which is greater than max allowed: {self.max_logprobs}"
+                )
+                return 400, {"error": {"message": message}}
+            answer = self.complete(body)
+            if wanted is not None:
+                answer["choices"][0]["prompt_logprobs"] = self.prompt_logprobs(body["prompt"], wanted)
+            return 200, answer
         return 404, {"detail": "Not Found"}
+
+    def prompt_logprobs(self, prompt: list[int], k: int) -> list:
+        """vLLM's ``prompt_logprobs``: None, then per token t >= 1 its top-k and the token itself, ``{id: {logprob,
+        rank, decoded_token}}`` (raw log-softmax, temperature 1)."""
+        with self.lock, torch.no_grad():
+            logps = self.model(input_ids=torch.tensor([list(prompt)])).logits[0, :-1].float().log_softmax(-1)
+        rows = [None]
+        for t, row in enumerate(logps, start=1):
+            top = row.topk(k)
+            entry = {str(int(i)): {"logprob": float(v), "rank": r + 1, "decoded_token": ""}
+                     for r, (v, i) in enumerate(zip(top.values, top.indices, strict=True))}  # fmt: skip
+            token = int(prompt[t])
+            if str(token) not in entry:
+                rank = int((row > row[token]).sum()) + 1
+                entry[str(token)] = {"logprob": float(row[token]), "rank": rank, "decoded_token": ""}
+            rows.append(entry)
+        return rows
 
     def complete(self, body: dict) -> dict:
         from hfacc.generation.engine import SamplingSettings

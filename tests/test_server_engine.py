@@ -189,3 +189,113 @@ def test_on_policy_distillation_trains_on_the_server(policy, tmp_path, async_gen
     assert len(logs) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     staleness = [h["sampling/staleness/max"] for h in logs]
     assert staleness == ([0.0, 1.0, 1.0] if async_generation else [0.0, 0.0, 0.0])
+
+
+# ---- the served teacher (TRL's use_teacher_server): its top-K of the student's samples, trained as stored top-K ----
+TOP_K = 6
+
+
+@pytest.fixture(scope="module")
+def distill_setting():
+    from datasets import Dataset
+
+    from hfacc import build_default_tokenizer, generate_instruction_examples
+    from tests.distillation_reference import make_teacher
+
+    tokenizer = build_default_tokenizer()
+    rows = [{"prompt": e["messages"][:-1]} for e in generate_instruction_examples(9, seed=5)]
+    teacher = make_teacher(rows=len(tokenizer), init=0.1)
+    with FakeVLLMServer(teacher, tokenizer) as server:
+        yield tokenizer, Dataset.from_list(rows), teacher, server
+
+
+def distill_on_served_teacher(distill_setting, bs, ga, tmp_path):
+    """One optimizer step (lr 0) of on-policy distillation from the served teacher: (gradient, the step's rows)."""
+    from hfacc import DistillationArguments, DistillationTrainer
+    from tests.distillation_reference import make_student
+    from tests.helpers import CaptureGradients, train_args
+
+    tokenizer, prompts, _, server = distill_setting
+    student = make_student(vocab=len(tokenizer), init=0.1)
+    capture = CaptureGradients(student)
+    args = train_args(
+        tmp_path, bs, ga, args_class=DistillationArguments, lmbda=1.0, beta=0.5, temperature=2.0, ce_weight=0.5,
+        max_completion_length=8, max_steps=1, seed=3, use_teacher_server=True, teacher_model_server_url=server.url,
+        loss_top_k=TOP_K, vllm_server_timeout=30,
+    )  # fmt: skip
+    trainer = DistillationTrainer(student, None, args, train_dataset=prompts, processing_class=tokenizer,
+                                  callbacks=[capture])  # fmt: skip
+    recorded, make = [], trainer.generate_micro_batches
+    trainer.generate_micro_batches = lambda indices, generation=0: (
+        make(indices, generation),
+        recorded.extend(trainer.last_rows),
+    )[0]
+    torch.manual_seed(0)
+    trainer.train()
+    assert len(capture.grads) == 1
+    return capture.grads[0], recorded
+
+
+@pytest.mark.parametrize(("bs", "ga"), [(8, 1), (2, 4), (1, 8), (3, 3)])
+def test_the_served_teacher_s_rows_are_the_local_top_k_and_each_step_is_the_big_batch(
+    distill_setting, bs, ga, tmp_path
+):
+    from datasets import Dataset
+
+    from hfacc import precompute_teacher_logprobs
+    from tests.distillation_reference import big_batch, make_student
+
+    tokenizer, _, teacher, _ = distill_setting
+    grad, rows = distill_on_served_teacher(distill_setting, bs, ga, tmp_path)
+    assert len(rows) == bs * ga
+    local = precompute_teacher_logprobs(
+        Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]), teacher,
+        top_k=TOP_K, show_progress=False,
+    )  # fmt: skip
+    for row, want in zip(rows, local, strict=True):
+        targets = [t for t in range(1, len(row["labels"])) if row["labels"][t] != -100]  # row t: token t's
+        assert targets and [row["target_token_ids"][t] for t in targets] == [
+            want["target_token_ids"][t] for t in targets
+        ]
+        served = torch.tensor([row["target_logprobs"][t] for t in targets])
+        assert torch.allclose(served, torch.tensor([want["target_logprobs"][t] for t in targets]), atol=1e-5)
+    want, _, _ = big_batch(
+        make_student(vocab=len(tokenizer), init=0.1), teacher, rows, beta=0.5, temperature=2.0, ce_weight=0.5,
+        top_k=TOP_K, vocab=len(tokenizer),
+    )  # fmt: skip
+    assert relative_error(grad, want) <= 1e-6
+
+
+def test_served_rows_misaligned_by_one_fail_the_big_batch(distill_setting, tmp_path, monkeypatch):
+    """The control: the teacher's row of token t - 1 given to token t (prompt_logprobs read as 'predicted at t')."""
+    from hfacc.generation.server_engine import ServedTeacher
+    from tests.distillation_reference import big_batch, make_student
+
+    tokenizer, _, teacher, _ = distill_setting
+    aligned = ServedTeacher.request_rows
+
+    def misaligned(self, ids):
+        got_ids, got_logps = aligned(self, ids)
+        return [got_ids[0]] + got_ids[:-1], [got_logps[0]] + got_logps[:-1]
+
+    monkeypatch.setattr(ServedTeacher, "request_rows", misaligned)
+    grad, rows = distill_on_served_teacher(distill_setting, 2, 4, tmp_path)
+    want, _, _ = big_batch(
+        make_student(vocab=len(tokenizer), init=0.1), teacher, rows, beta=0.5, temperature=2.0, ce_weight=0.5,
+        top_k=TOP_K, vocab=len(tokenizer),
+    )  # fmt: skip
+    assert relative_error(grad, want) > 1e-3
+
+
+def test_a_teacher_server_the_trainer_cannot_use_is_one_named_line(distill_setting):
+    from hfacc.generation.server_engine import ServedTeacher
+
+    tokenizer, _, teacher, server = distill_setting
+    with pytest.raises(ServerError, match=r"does not return 30 prompt log-probs .* --max_logprobs 30 or more"):
+        ServedTeacher(server.url, tokenizer, top_k=30, timeout=5)
+    with FakeVLLMServer(teacher, tokenizer, vocabulary_shift=1) as other:
+        with pytest.raises(ServerError, match=r"tokenizes with another vocabulary than the student's"):
+            ServedTeacher(other.url, tokenizer, top_k=4, timeout=5)
+    with pytest.raises(ServerError, match=r"no vLLM server answered .* --max_logprobs <loss_top_k>` \(or set "
+                                          r"teacher_model_server_url"):  # fmt: skip
+        ServedTeacher("http://127.0.0.1:9", tokenizer, top_k=4, timeout=1)

@@ -129,6 +129,40 @@ def test_on_policy_distillation_trains_on_the_server(server, tmp_path):
     assert len([h for h in trainer.state.log_history if "loss" in h]) == 2
 
 
+def test_a_served_teacher_gives_the_teacher_s_top_k_and_distillation_trains_on_it(server, tmp_path):
+    """The teacher on the server (use_teacher_server): the module's server serves one model, so the teacher is a
+    policy of its shape whose weights are sent first; its prompt_logprobs are the teacher's own top-K."""
+    from hfacc import DistillationArguments, DistillationTrainer
+    from hfacc.generation.server_engine import ServedTeacher
+
+    url, _, _ = server
+    teacher, tokenizer = build_policy(2, **POLICY)
+    ServerEngine(teacher, tokenizer, base_url=url, timeout=START_TIMEOUT).close()  # the server holds the teacher
+    served = ServedTeacher(url, tokenizer, top_k=5, timeout=START_TIMEOUT, vocab_size=len(tokenizer))
+    ids = tokenizer("Question: what is 12 + 30? Answer: 42.", add_special_tokens=False)["input_ids"]
+    got_ids, got_logps = served.request_rows(ids)
+    with torch.no_grad():
+        local = teacher(input_ids=torch.tensor([ids])).logits[0, :-1, : len(tokenizer)].float().log_softmax(-1)
+    for t in range(1, len(ids)):  # row t: token t given the tokens before it (the causal shift)
+        want = local[t - 1]
+        assert torch.allclose(torch.tensor(got_logps[t]), want[got_ids[t]], atol=1e-4), t
+        assert min(got_logps[t]) >= float(want.topk(5).values[-1]) - 1e-4, t  # they are the top 5
+    served.close()
+    student = build_policy(0, **POLICY)[0]
+    args = DistillationArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, lmbda=1.0,
+        max_completion_length=6, max_steps=2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, use_teacher_server=True, teacher_model_server_url=url, loss_top_k=5,
+        vllm_server_timeout=START_TIMEOUT,
+    )  # fmt: skip
+    prompts = build_prompts(16).remove_columns(["answer", "task"])
+    trainer = DistillationTrainer(student, None, args, train_dataset=prompts, processing_class=tokenizer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    assert all(len(r["target_token_ids"][1]) == 5 for r in trainer.last_rows)
+
+
 def test_a_skipped_update_and_another_model_are_named(server):
     model, tokenizer = build_policy(0, **POLICY)
     url, _, _ = server

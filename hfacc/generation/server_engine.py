@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 START_COMMAND = "hfacc vllm-serve --model <the policy's directory> --port {port}"
 RETRIES = 3  # a refused connection is tried this many more times, 1 s apart, before the run stops
+TEACHER_COMMAND = "hfacc vllm-serve --model <the teacher's directory> --port {port} --max_logprobs <loss_top_k>"
+SERVER_SETTING = "vllm_server_base_url / vllm_server_host and vllm_server_port"
 PROBE = "The quick brown fox: 12 + 30 = 42."
 
 
@@ -89,9 +91,9 @@ class ServerClient:
                 ) from None
         raise AssertionError("unreachable")
 
-    def wait_until_up(self, timeout: float) -> None:
+    def wait_until_up(self, timeout: float, command: str = START_COMMAND, setting: str = SERVER_SETTING) -> None:
         """Poll ``/health`` once a second for at most ``timeout`` seconds; none: :class:`ServerError` naming the
-        command that starts one."""
+        command that starts one (``command``, with ``{port}``)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -103,8 +105,8 @@ class ServerClient:
             if time.monotonic() >= deadline:
                 raise ServerError(
                     f"hfacc: no vLLM server answered at {self.base_url} within vllm_server_timeout={timeout:g} s: "
-                    f"start one with `{START_COMMAND.format(port=urllib.parse.urlsplit(self.base_url).port or 80)}` (or set vllm_server_base_url / "
-                    "vllm_server_host and vllm_server_port to where it runs)."
+                    f"start one with `{command.format(port=urllib.parse.urlsplit(self.base_url).port or 80)}` (or set "
+                    f"{setting} to where it runs)."
                 )
             time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
 
@@ -337,4 +339,92 @@ class ServerEngine(GenerationEngine):
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["ServerClient", "ServerEngine", "ServerError", "START_COMMAND"]
+class ServedTeacher:
+    """The distillation teacher on a vLLM server (TRL's ``use_teacher_server`` / ``teacher_model_server_url``): its
+    top-K log-probs of each whole sequence (prompt and the student's completion), in the stored layout that
+    :class:`hfacc.DistillationObjective` trains from (``target_token_ids`` / ``target_logprobs``, row t the
+    teacher's distribution of token t given the tokens before it: :func:`hfacc.precompute_teacher_logprobs`).
+
+    One ``/v1/completions`` request per sequence, its token ids as the prompt, ``prompt_logprobs=top_k``,
+    ``max_tokens=1``, temperature 1: vLLM's ``prompt_logprobs[t]`` is exactly row t (row 0, which no token
+    predicts, is K zeros). Connecting checks that the server tokenizes as the student (a probe line) and answers
+    ``prompt_logprobs`` of ``top_k`` (its ``--max-logprobs``); every request is bounded as :class:`ServerClient`'s.
+
+    Args:
+        base_url: the teacher's server, ``http://host:port``.
+        tokenizer: the student's tokenizer (the teacher must share it).
+        top_k: K, the teacher's top-K support (``loss_top_k``).
+        timeout: seconds to wait for the server, and for any one request.
+        vocab_size: the student's vocabulary (the tokenizer's length): an id at or beyond it is a named error.
+    """
+
+    def __init__(self, base_url: str, tokenizer, *, top_k: int, timeout: float = 240.0, vocab_size: int | None = None):
+        self.tokenizer, self.top_k, self.vocab_size = tokenizer, top_k, vocab_size
+        self.client = ServerClient(base_url, timeout)
+        self.client.wait_until_up(timeout, TEACHER_COMMAND, "teacher_model_server_url")
+        self.served_model = self.client.request("/v1/models")["data"][0]["id"]
+        served = self.client.request(
+            "/tokenize", {"model": self.served_model, "prompt": PROBE, "add_special_tokens": False}
+        ).get("tokens")
+        ours = tokenizer(PROBE, add_special_tokens=False)["input_ids"]
+        if served != ours:
+            raise ServerError(
+                f"hfacc: the teacher's vLLM server at {base_url} tokenizes with another vocabulary than the student's "
+                f"({PROBE!r} is {(served or [])[:8]}... there, {ours[:8]}... here): distillation needs a teacher that "
+                "shares the student's tokenizer."
+            )
+        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="hfacc-teacher-server")
+        self.request_rows(ours)  # the server answers prompt_logprobs of top_k (or says why not, here)
+
+    def request_rows(self, ids: list[int]) -> tuple[list[list[int]], list[list[float]]]:
+        """``(ids, logprobs)``: one ``[K]`` list per token of ``ids`` (the layout above)."""
+        body = {
+            "model": self.served_model, "prompt": list(ids), "max_tokens": 1, "n": 1, "temperature": 1.0,
+            "top_p": 1.0, "top_k": -1, "seed": 0, "prompt_logprobs": self.top_k,
+        }  # fmt: skip
+        try:
+            answer = self.client.request("/v1/completions", body)
+        except ServerError as err:
+            if "logprobs" not in str(err) or "HTTP 4" not in str(err):
+                raise
+            raise ServerError(
+                f"hfacc: the teacher's vLLM server does not return {self.top_k} prompt log-probs per token (its "
+                f"--max-logprobs is lower): restart it with --max_logprobs {self.top_k} or more, or lower loss_top_k."
+            ) from None
+        rows = answer["choices"][0].get("prompt_logprobs")
+        if rows is None or len(rows) != len(ids):
+            raise ServerError(
+                f"hfacc: the teacher's vLLM server answered {None if rows is None else len(rows)} prompt log-prob rows "
+                f"for {len(ids)} tokens: serve the teacher with vLLM's OpenAI server (hfacc vllm-serve)."
+            )
+        k = self.top_k
+        out_ids, out_logps = [[0] * k], [[0.0] * k]
+        for t, row in enumerate(rows[1:], start=1):
+            # the K likeliest, by vLLM's rank; the prompt's own token is there too when it ranks below K
+            entries = sorted(((v["rank"], -v["logprob"], int(i)) for i, v in row.items()))[:k]
+            if len(entries) < k or entries[-1][0] > k:
+                raise ServerError(
+                    f"hfacc: the teacher's vLLM server gave {len(entries)} of the top {k} log-probs at token {t}: "
+                    f"restart it with --max_logprobs {k} or more."
+                )
+            out_ids.append([i for _, _, i in entries])
+            out_logps.append([-lp for _, lp, _ in entries])
+        if self.vocab_size is not None and any(i >= self.vocab_size for row in out_ids for i in row):
+            raise ServerError(
+                f"hfacc: the teacher's vLLM server returned token ids beyond the student's vocabulary "
+                f"({self.vocab_size} tokens): serve a teacher that shares the student's tokenizer."
+            )
+        return out_ids, out_logps
+
+    def add_rows(self, rows: list[dict]) -> None:
+        """Give each SFT row (``input_ids``) the teacher's ``target_token_ids`` / ``target_logprobs``, the requests
+        sent together."""
+        answers = list(self.pool.map(lambda row: self.request_rows(row["input_ids"]), rows))
+        for row, (ids, logps) in zip(rows, answers, strict=True):
+            row["target_token_ids"], row["target_logprobs"] = ids, logps
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["ServedTeacher", "ServerClient", "ServerEngine", "ServerError", "START_COMMAND", "TEACHER_COMMAND"]

@@ -12,6 +12,8 @@ this process with it (Ctrl-C or SIGTERM stops it):
   do not run on a CPU; ``--weight_backend nccl`` serves vLLM's own, for a trainer that joins its NCCL group);
 - ``--logprobs-mode processed_logprobs`` (the sampler's log-probs after temperature, top-k, top-p, as TRL) and
   ``--generation-config vllm`` (the trainer's sampling settings, none from the model's files);
+- ``--max-logprobs`` (``--max_logprobs``, vLLM's default 20): the most log-probs per token a request may ask, a
+  served distillation teacher's ``loss_top_k`` (docs/distillation.md#a-served-teacher);
 - on a CPU ``--enforce-eager`` and no chunked prefill (vLLM 0.32's CPU runner crashed on a chunked prompt here).
 
 The model directory needs the config and tokenizer; without weights in it the server starts with dummy ones (said at
@@ -55,6 +57,11 @@ class VLLMServeArguments:
         default=None, metadata={"help": "Bytes of KV cache (None: 256 MiB on a CPU, vLLM's share on a GPU)."}
     )
     seed: int = field(default=0, metadata={"help": "The server's seed (each request carries its own too)."})
+    max_logprobs: int = field(
+        default=20,
+        metadata={"help": "Most log-probs per token a request may ask (vLLM's --max-logprobs): a served teacher's "
+                  "loss_top_k."},
+    )  # fmt: skip
     weight_backend: str | None = field(
         default=None,
         metadata={"help": f"vLLM's weight-transfer backend (None: '{BACKEND}', the one hfacc's trainer sends to)."},
@@ -85,7 +92,7 @@ def build_server_command(args: VLLMServeArguments, on_cpu: bool) -> tuple[list[s
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", args.model, "--host", args.host, "--port", str(args.port), "--dtype", args.dtype,
-        "--seed", str(args.seed), "--max-num-seqs", str(args.max_num_seqs),
+        "--seed", str(args.seed), "--max-num-seqs", str(args.max_num_seqs), "--max-logprobs", str(args.max_logprobs),
         "--weight-transfer-config", json.dumps({"backend": backend}),
         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm",
     ]  # fmt: skip

@@ -74,6 +74,24 @@ class DistillationArguments(TokenWeightedArguments, VLLMArguments):
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: keep the smallest set of this mass."})
     top_k: int = field(default=0, metadata={"help": "Sample among the k likeliest tokens (0: all)."})
     repetition_penalty: float = field(default=1.0, metadata={"help": "transformers' repetition penalty (1: none)."})
+    use_teacher_server: bool = field(
+        default=False,
+        metadata={
+            "help": "The teacher runs on a vLLM server (teacher_model_server_url; TRL's name): its top-K log-probs "
+            "of each trained sequence (loss_top_k) are what the student learns, over that support. No teacher_model."
+        },
+    )
+    teacher_model_server_url: str | None = field(
+        default=None,
+        metadata={"help": "The teacher's vLLM server, http://host:port (hfacc vllm-serve --model <teacher>)."},
+    )
+    loss_top_k: int | None = field(
+        default=None,
+        metadata={
+            "help": "With use_teacher_server: K, the teacher's top-K support per token (None: 20, vLLM's default "
+            "--max-logprobs). A local teacher uses its full distribution."
+        },
+    )
 
     # What RolloutLoader reads: one completion per prompt, one generation per optimizer step, used once.
     num_generations = 1
@@ -92,6 +110,22 @@ class DistillationArguments(TokenWeightedArguments, VLLMArguments):
             raise ValueError(f"max_completion_length={self.max_completion_length}: it must be >= 1.")
         if self.normalization == "sequence":
             raise ValueError("normalization='sequence' does not apply to distillation: use 'token'.")
+        if self.use_teacher_server:
+            url = self.teacher_model_server_url or ""
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"use_teacher_server=True needs teacher_model_server_url=http://host:port (got {url!r}): the "
+                    "teacher's vLLM server (hfacc vllm-serve --model <teacher>)."
+                )
+            if self.loss_top_k is None:
+                self.loss_top_k = 20
+            if self.loss_top_k < 1:
+                raise ValueError(f"loss_top_k={self.loss_top_k}: the served teacher's top-K support needs K >= 1.")
+        elif self.loss_top_k is not None or self.teacher_model_server_url is not None:
+            raise ValueError(
+                "loss_top_k and teacher_model_server_url apply to a served teacher: set use_teacher_server=True (or "
+                "drop them: a local teacher_model gives its full distribution)."
+            )
         # The loss's own checks (beta, temperature, ce_weight), here where the settings are made.
         DistillationObjective(beta=self.beta, temperature=self.temperature, ce_weight=self.ce_weight)
 
@@ -154,11 +188,25 @@ class DistillationTrainer(OnlineTrainer):
                 "completions, and train_dataset has no 'completion' column. Add one, or set lmbda=1 (always "
                 "on-policy)."
             )
-        if teacher_model is None:
+        if args.use_teacher_server and teacher_model is not None:
+            raise ValueError(
+                "use_teacher_server=True: the teacher is the one on teacher_model_server_url; pass no teacher_model "
+                "(or set use_teacher_server=False to run this one beside the student)."
+            )
+        if teacher_model is None and not args.use_teacher_server:
             raise ValueError("DistillationTrainer needs teacher_model=<a model or its name/path>.")
         objective = DistillationObjective(
             teacher_model, beta=args.beta, temperature=args.temperature, ce_weight=args.ce_weight
         )
+        self.served_teacher = None
+        if args.use_teacher_server:
+            from ..generation.server_engine import ServedTeacher
+            from ..models.teacher import get_tokenizer_length
+
+            self.served_teacher = ServedTeacher(
+                args.teacher_model_server_url, processing_class, top_k=args.loss_top_k,
+                timeout=args.vllm_server_timeout, vocab_size=get_tokenizer_length(processing_class),
+            )  # fmt: skip
         super().__init__(
             model,
             args,
@@ -232,6 +280,8 @@ class DistillationTrainer(OnlineTrainer):
             {"input_ids": list(p) + list(c), "labels": [IGNORE_INDEX] * len(p) + list(c)}
             for p, c in zip(prompts, completions, strict=True)
         ]
+        if self.served_teacher is not None:  # the teacher's top-K of every row, as stored columns
+            self.served_teacher.add_rows(self.last_rows)
         batches = [self.data_collator(self.last_rows[i : i + size]) for i in range(0, len(rows), size)]
         seconds = time.perf_counter() - start
         lengths = [len(completions[i]) for i in generated]
