@@ -118,3 +118,17 @@ def test_hfacc_verify_reads_sp_size_from_the_accelerate_config_and_passes(ulysse
     report = ulysses["verify"]
     assert report["exit_code"] == 0 and report["passed"] and report["sp_size"] == 2, report
     assert report["error"] <= GRAD_TOL and report["num_targets"] > 0
+
+
+def test_dpo_with_precomputed_reference_columns_is_refused_under_sequence_parallelism():
+    from types import SimpleNamespace
+
+    from hfacc import DPOObjective
+    from hfacc.data.preference import REF_LOGPS
+    from hfacc.objectives.base import SetupContext
+
+    accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(sp_enabled=True, sp_size=2))
+    context = SetupContext(model=None, batch={REF_LOGPS: torch.zeros(2)}, accelerator=accelerator)
+    with pytest.raises(NotImplementedError, match="precomputed ref_chosen_logps .* sp_size > 1") as err:
+        DPOObjective().setup(context)
+    assert "\n" not in str(err.value)
