@@ -156,6 +156,7 @@ class DataCollatorForSequenceParallel:
         pad_token_id: written into ``input_ids`` where a row is lengthened (its labels are -100 and, padded on the
             right, no real token attends to it).
 
+    >>> from hfacc.data.collator import DataCollatorForCausalLM
     >>> collate = DataCollatorForSequenceParallel(DataCollatorForCausalLM(pad_token_id=0), sp_size=2)
     >>> collate([{"input_ids": [3, 4, 5], "labels": [3, 4, 5]}])["labels"]
     tensor([[-100,    4,    5, -100]])
