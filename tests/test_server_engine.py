@@ -299,3 +299,18 @@ def test_a_teacher_server_the_trainer_cannot_use_is_one_named_line(distill_setti
     with pytest.raises(ServerError, match=r"no vLLM server answered .* --max_logprobs <loss_top_k>` \(or set "
                                           r"teacher_model_server_url"):  # fmt: skip
         ServedTeacher("http://127.0.0.1:9", tokenizer, top_k=4, timeout=1)
+
+
+def test_the_served_teacher_s_settings_refuse_what_cannot_work(distill_setting):
+    from hfacc import DistillationArguments, DistillationTrainer
+
+    tokenizer, prompts, teacher, server = distill_setting
+    common = dict(output_dir="/tmp/x", use_cpu=True)
+    with pytest.raises(ValueError, match=r"use_teacher_server=True needs teacher_model_server_url=http://host:port"):
+        DistillationArguments(use_teacher_server=True, **common)
+    with pytest.raises(ValueError, match=r"loss_top_k and teacher_model_server_url apply to a served teacher"):
+        DistillationArguments(loss_top_k=8, **common)
+    args = DistillationArguments(use_teacher_server=True, teacher_model_server_url=server.url, **common)
+    assert args.loss_top_k == 20  # vLLM's default --max-logprobs
+    with pytest.raises(ValueError, match=r"the teacher is the one on teacher_model_server_url; pass no teacher_model"):
+        DistillationTrainer(teacher, teacher, args, train_dataset=prompts, processing_class=tokenizer)

@@ -17,6 +17,12 @@ Generation goes through one method, :meth:`DistillationTrainer.sample`, and GRPO
 that gets the student's weights before every generation that follows an optimizer step (TRL's settings,
 :class:`hfacc.generation.vllm_engine.VLLMArguments`). The divergence is the teacher's against the student's own
 log-probs of the sampled tokens, so the sampler's log-probs are not used.
+
+The teacher runs beside the student, or on a vLLM server of its own (``use_teacher_server``,
+``teacher_model_server_url``, ``loss_top_k``: TRL's names): then each step's rows get the teacher's top-K
+``prompt_logprobs`` from it (:class:`hfacc.generation.server_engine.ServedTeacher`) as the stored columns
+``target_token_ids`` / ``target_logprobs``, and the objective trains from them as from
+:func:`hfacc.precompute_teacher_logprobs`' (docs/distillation.md#a-served-teacher).
 """
 
 from __future__ import annotations
@@ -137,7 +143,8 @@ class DistillationTrainer(OnlineTrainer):
     Args:
         model: the student, a causal LM (its ``generate`` samples the completions).
         teacher_model: the teacher (a model, or its hub id / local directory), sharing the student's tokenizer;
-            frozen, placed like the student (:class:`hfacc.DistillationObjective`).
+            frozen, placed like the student (:class:`hfacc.DistillationObjective`). None with
+            ``use_teacher_server=True``: the teacher is the one on ``teacher_model_server_url``.
         args: :class:`DistillationArguments` (a plain ``TrainingArguments`` is converted, with their defaults).
         train_dataset: prompts: a ``"prompt"`` column of text or chat messages, and a ``"completion"`` column (text,
             or one assistant message) for the micro-batches that are not on-policy (``lmbda < 1``).
