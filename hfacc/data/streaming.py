@@ -22,7 +22,6 @@ A finite stream does not end training: ``max_steps`` decides. When a rank's shar
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import logging
 import random
@@ -180,7 +179,10 @@ class SFTStream(torch.utils.data.IterableDataset):
         """The stream's first ``count`` raw rows, read again from its start: what identifies a streamed run's data
         (:func:`hfacc.training.checkpoint.get_dataset_identity`; with the tokenization settings and the chat
         template beside them). Not encoded: that would count and say their truncations a second time."""
-        return list(itertools.islice(iter(self.source), count))
+        rows, it = [], iter(self.source)
+        while len(rows) < count and (row := read_row(it, self.data_files)) is not None:
+            rows.append(row)  # a file that cannot be read is the DataError naming its line, as in training
+        return rows
 
     def __iter__(self) -> Iterator[dict[str, list[int]]]:
         for i, row in enumerate(self.source):

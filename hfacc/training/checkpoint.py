@@ -627,8 +627,9 @@ def check_run_before_loading(args, *data_sources, streaming: bool = False) -> No
     """What a job checks before it loads its model and builds its rows, with the settings it has then (the training
     settings and ``data_sources``' data settings, :func:`get_data_settings`): a checkpoint that cannot be resumed, or
     another run's (auto-resume, ``last``), or an output directory a new run may not write into, is one ConfigError
-    now, not after a model loaded or a short SFT ran. Nothing is said or written: the trainer checks again with the
-    rows' identity (:func:`get_dataset_identity`) and says what it finds, once.
+    now, not after a model loaded or a short SFT ran. Nothing is said or written but the output directory, made as
+    the stock Trainer makes it: the trainer checks again with the rows' identity (:func:`get_dataset_identity`) and
+    says what it finds, once.
 
     The trainer resolves the checkpoint itself: a job passes it ``args.resume_from_checkpoint`` as given, never a
     path resolved here (a named checkpoint of other settings is only a WARNING, so another run's data resolved to
@@ -650,6 +651,16 @@ def check_run_before_loading(args, *data_sources, streaming: bool = False) -> No
         for said, before in zip((_said, _said_auto, _said_data), remembered, strict=True):
             said.clear()
             said.update(before)
+    # The stock Trainer makes the output directory when it is built, before hfacc's run record is written: one that
+    # cannot be made is the named line now, not a PermissionError from transformers' __init__ (a made empty
+    # directory is all this writes, and the Trainer would make it anyway).
+    try:
+        Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(
+            f"cannot write to --output_dir {args.output_dir}: {err.strerror or err}. Choose a directory you can "
+            "write to."
+        ) from err
 
 
 def get_checkpoint_step(checkpoint: str | Path) -> int | None:

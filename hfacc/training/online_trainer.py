@@ -120,6 +120,11 @@ class OnlineTrainer(TokenWeightedTrainer):
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             self.args.ignore_data_skip = skip
+            # Async generation leaves the next generation's requests running when the last step ends: wait for them
+            # (bounded by the server's timeout), so no request of this run is still on its way after train().
+            wait = getattr(self._engine, "wait_in_flight", None)
+            if wait is not None:
+                wait()
 
 
 class RolloutLoader:
