@@ -313,3 +313,26 @@ def test_the_recipe_console_is_a_bar_eval_lines_and_the_summary(tmp_path):
     # stderr holds accelerate's notice about the launch values it guessed, and nothing else
     notice = [line for line in proc.stderr.splitlines() if line.strip()]
     assert all("accelerate" in line or line.startswith("\t`--") for line in notice), notice
+
+
+def test_a_job_that_ends_destroys_its_process_group(tmp_path):
+    """A gloo rank exiting with its group alive aborts now and then (SIGABRT after the work is done): a finished job
+    destroys the group, as ``Accelerator.end_training`` does, and one that never formed a group is left as it was."""
+    from dataclasses import dataclass
+
+    import torch.distributed as dist
+
+    @dataclass
+    class Settings:
+        steps: int = 1
+
+    seen = []
+    run_recipe(lambda s: seen.append(dist.is_initialized()), [Settings], argv=[])  # no group: nothing to do
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        assert run_recipe(lambda s: seen.append(dist.is_initialized()), [Settings], argv=["--steps", "2"]) == 0
+        assert seen == [False, True] and not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
