@@ -105,6 +105,15 @@ def test_engines_quick_launches_the_single_device_config(capsys):
     assert all(case["grad_error"] <= 1e-6 for case in config["cases"].values()), config
 
 
+def test_sft_profile_quick_times_every_part_of_the_epoch(capsys):
+    (parts, total, steps), out = run_quick("sft_profile", capsys)
+    assert steps >= 1 and total > 0, out
+    # The model's own parts were timed (the wraps reached them), and the parts add up to the epoch's CPU time.
+    assert min(parts["forward"], parts["loss"], parts["backward"], parts["draw + collate"], parts["window"]) > 0, parts
+    assert sum(parts.values()) == pytest.approx(total), parts
+    assert len(table_rows(out)) == 13, out  # the header, 11 parts and the total
+
+
 QUICK_TESTS = {  # every script has its quick run above
     "cli_startup",
     "distill",
@@ -115,6 +124,7 @@ QUICK_TESTS = {  # every script has its quick run above
     "long_context",
     "memory_soak",
     "reward_kto",
+    "sft_profile",
     "streaming_memory",
     "streaming_sharding",
     "throughput",
