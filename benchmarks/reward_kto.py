@@ -49,7 +49,6 @@ from hfacc import (  # noqa: E402
     TokenWeightedArguments,
     TokenWeightedTrainer,
 )
-from hfacc.data.padding_free import remove_padding  # noqa: E402
 from hfacc.models.loading import as_reward_model  # noqa: E402
 from hfacc.ops.loss import WindowCounts  # noqa: E402
 from hfacc.runtime.memory import peak_memory  # noqa: E402
@@ -214,7 +213,10 @@ def memory(method, cli, data):
             else:
                 setup = trainer.setup_model(batch)  # the per-model decisions training takes
                 results[kind] = peak_memory(hfacc_step(trainer, setup, batch), cli.device)
-                results["hfacc layout"] = f"padding-free {setup.padding_free}, loss path {setup.loss_path}"
+                results["hfacc layout"] = (
+                    f"padding-free {setup.padding_free}, shared prompts {setup.shared_prompts is not None}, "
+                    f"loss path {setup.loss_path}"
+                )
     return results
 
 
@@ -226,7 +228,7 @@ def hfacc_step(trainer, setup, batch):
     """One micro-batch as training runs it: the window's statistics (KTO's reference point), the padding-free layout,
     the objective's loss over the window's counts, its backward."""
     objective = trainer.objective
-    laid = remove_padding(batch, setup.one_row, keep=objective.row_keys) if setup.padding_free else batch
+    laid = trainer._layout(batch)  # as training lays it out (shared-prompt pairs, padding-free rows, or padded)
     counts = objective.count(batch).tolist()
     window = WindowCounts(counts[0], counts[1], 1, tuple(counts))
 
