@@ -85,14 +85,14 @@ def share_prompts(
         if value.dim() >= 2 and tuple(value.shape[:2]) == (rows, width):
             return None
     # One host transfer: the layout depends on the tokens (where the two sequences of a pair part).
-    real = mask.bool().tolist()
+    real = mask.bool()
+    starts = real.clone()
+    starts[:, 1:] &= ~real[:, :-1]
+    stats = torch.stack([real.sum(-1), starts.sum(-1), starts.long().argmax(-1)]).tolist()
+    if any(runs != 1 for runs in stats[1]):
+        return None  # an empty row, or holes in the mask
     tokens = ids.tolist()
-    sequences = []  # (first padded column, tokens) of each row
-    for r in range(rows):
-        columns = [c for c in range(width) if real[r][c]]
-        if not columns or columns[-1] - columns[0] + 1 != len(columns):
-            return None  # an empty row, or holes in the mask
-        sequences.append((columns[0], tokens[r][columns[0] : columns[-1] + 1]))
+    sequences = [(f, tokens[r][f : f + n]) for r, (n, f) in enumerate(zip(stats[0], stats[2], strict=True))]
     pairs = rows // 2
     prompt = []
     for i in range(pairs):
@@ -109,49 +109,45 @@ def share_prompts(
     if attention_width > 0 and len(laid_rows) > 1:
         row_width, laid_rows = _cheapest_rows(units, row_width, laid_rows, attention_width, max_row_length)
     filler_token = sequences[0][1][0]  # a real token, never padding (see remove_padding)
-    flat_ids, flat_positions, group, branch = [], [], [], []
+    flat_ids, flat_positions = [], []
+    spans = []  # (row, start, end of the prompt, end of the chosen answer, end): each unit's, the filler's
     layout_index = [[-1] * width for _ in range(rows)]
     score_index = [0] * rows
-    unit_id = 0
-    for members in laid_rows:
+    for row, members in enumerate(laid_rows):
         start = len(flat_ids)
         for i in members:
             p = prompt[i]
             chosen_first, chosen = sequences[i]
             rejected_first, rejected = sequences[pairs + i]
             base = len(flat_ids)
-            # [prompt][chosen answer][rejected answer]: the padded position of each token, its layout position
-            for j in range(len(chosen)):
-                layout_index[i][chosen_first + j] = base + j
-            for j in range(len(rejected)):
-                at = base + j if j < p else base + len(chosen) + (j - p)
-                layout_index[pairs + i][rejected_first + j] = at
+            # [prompt][chosen answer][rejected answer]: the layout position of each padded token
+            layout_index[i][chosen_first : chosen_first + len(chosen)] = range(base, base + len(chosen))
+            layout_index[pairs + i][rejected_first : rejected_first + p] = range(base, base + p)
+            after = base + len(chosen)
+            layout_index[pairs + i][rejected_first + p : rejected_first + len(rejected)] = range(
+                after, after + len(rejected) - p
+            )
             flat_ids += chosen + rejected[p:]
             flat_positions += list(range(len(chosen))) + list(range(p, len(rejected)))
-            group += [unit_id] * (len(chosen) + len(rejected) - p)
-            branch += [0] * p + [1] * (len(chosen) - p) + [2] * (len(rejected) - p)
-            unit_id += 1
+            spans.append((row, base - start, base - start + p, after - start, len(flat_ids) - start))
             for r, (first, sequence) in ((i, sequences[i]), (pairs + i, sequences[pairs + i])):
-                read = [j for j, t in enumerate(sequence) if t != pad_token_id] if pad_token_id is not None else []
-                last = read[-1] if read else (0 if pad_token_id is not None else len(sequence) - 1)
-                score_index[r] = layout_index[r][first + last]
+                last = len(sequence) - 1  # the rightmost token that is not pad_token_id (the first if none is)
+                while pad_token_id is not None and last >= 0 and sequence[last] == pad_token_id:
+                    last -= 1
+                score_index[r] = layout_index[r][first + max(last, 0)]
         fill = row_width - (len(flat_ids) - start)
+        spans.append((row, row_width - fill, row_width, row_width, row_width))
         flat_ids += [filler_token] * fill
         flat_positions += list(range(fill))
-        group += [unit_id] * fill
-        branch += [0] * fill
-        unit_id += 1
     device = ids.device
     shape = (len(laid_rows), row_width)
-    group_t = torch.tensor(group, device=device).view(shape)
-    branch_t = torch.tensor(branch, device=device).view(shape)
-    order = torch.arange(row_width, device=device)
-    # Query q attends key k: the same unit, k not after q, and k in the prompt or in q's own answer.
-    allowed = (
-        (group_t[:, :, None] == group_t[:, None, :])
-        & (order[None, :, None] >= order[None, None, :])
-        & ((branch_t[:, None, :] == 0) | (branch_t[:, :, None] == branch_t[:, None, :]))
-    )[:, None]
+    # Query q attends key k: the same unit, k not after q, and k in the prompt or in q's own answer. Written unit by
+    # unit (a causal block, less the rejected answer's view of the chosen one): the work is the units' own squares.
+    allowed = torch.zeros(shape[0], 1, row_width, row_width, dtype=torch.bool, device=device)
+    causal = torch.ones(row_width, row_width, dtype=torch.bool, device=device).tril_()
+    for row, a, p, c, e in spans:
+        allowed[row, 0, a:e, a:e] = causal[: e - a, : e - a]
+        allowed[row, 0, c:e, p:c] = False
     if mask_dtype is not None:
         allowed = torch.zeros(allowed.shape, dtype=mask_dtype, device=device).masked_fill_(
             ~allowed, torch.finfo(mask_dtype).min
