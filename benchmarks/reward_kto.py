@@ -3,6 +3,7 @@ memory, update error.
 
     python benchmarks/reward_kto.py --threads 1                       # CPU, fp32: the numbers in benchmarks/README.md
     python benchmarks/reward_kto.py --rounds 1 --rows 16 --check-losses      # quicker; and TRL's loss code re-run
+    python benchmarks/reward_kto.py --threads 1 --layouts                     # the reward model's time per layout
 
 Three measurements per method, each side by side in this one process:
 
@@ -49,7 +50,6 @@ from hfacc import (  # noqa: E402
     TokenWeightedArguments,
     TokenWeightedTrainer,
 )
-from hfacc.data.padding_free import remove_padding  # noqa: E402
 from hfacc.models.loading import as_reward_model  # noqa: E402
 from hfacc.ops.loss import WindowCounts  # noqa: E402
 from hfacc.runtime.memory import peak_memory  # noqa: E402
@@ -214,7 +214,10 @@ def memory(method, cli, data):
             else:
                 setup = trainer.setup_model(batch)  # the per-model decisions training takes
                 results[kind] = peak_memory(hfacc_step(trainer, setup, batch), cli.device)
-                results["hfacc layout"] = f"padding-free {setup.padding_free}, loss path {setup.loss_path}"
+                results["hfacc layout"] = (
+                    f"padding-free {setup.padding_free}, shared prompts {setup.shared_prompts is not None}, "
+                    f"loss path {setup.loss_path}"
+                )
     return results
 
 
@@ -226,7 +229,7 @@ def hfacc_step(trainer, setup, batch):
     """One micro-batch as training runs it: the window's statistics (KTO's reference point), the padding-free layout,
     the objective's loss over the window's counts, its backward."""
     objective = trainer.objective
-    laid = remove_padding(batch, setup.one_row, keep=objective.row_keys) if setup.padding_free else batch
+    laid = trainer._layout(batch)  # as training lays it out (shared-prompt pairs, padding-free rows, or padded)
     counts = objective.count(batch).tolist()
     window = WindowCounts(counts[0], counts[1], 1, tuple(counts))
 
@@ -236,6 +239,58 @@ def hfacc_step(trainer, setup, batch):
         objective.loss(sums, window).backward()
 
     return step
+
+
+# ---- where the reward model's time goes: one epoch's micro-batches, forward and backward, per layout -----------------
+def layout_profile(cli, pairs, rounds):
+    """CPU seconds of the forward and backward of every micro-batch of an epoch (bs 4), interleaved over ``rounds``,
+    for TRL's padded path and hfacc's layouts, with the positions each computes (real tokens: what a layout
+    holds once)."""
+    from hfacc.data.padding_free import remove_padding
+    from hfacc.data.shared_prompts import get_attention_width, share_prompts
+
+    model = as_reward_model(build_bench_model(cli.vocab, cli.hidden, cli.layers), pad_token_id=0)
+    model.train()
+    collate, objective = DataCollatorForPreference(0), RewardObjective(CENTER)
+    batches = [collate(pairs[i : i + BS]) for i in range(0, len(pairs), BS)]
+    width = get_attention_width(model.config)
+    layouts = {
+        "hfacc padded": lambda b: b,
+        "hfacc packed rows (shared_prompts=False)": lambda b: remove_padding(b, False, keep=objective.row_keys),
+        "hfacc shared prompts, rows as wide as the longest pair": lambda b: share_prompts(b, 0, keep=["margin"]),
+        f"hfacc shared prompts, rows by cost (attention width {width}; the default)": lambda b: share_prompts(
+            b, 0, keep=["margin"], attention_width=width
+        ),
+    }
+
+    def hfacc_layout_step(lay):
+        return lambda b: objective(model, lay(b))[1].loss.sum().backward()
+
+    steps = {name: hfacc_layout_step(lay) for name, lay in layouts.items()}
+    if "trl" in cli.kinds:
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = trl_reward_trainer(model, pairs, tmp, BS, 1, 1)
+            trl_batches = [trainer.data_collator(trl_reward_rows(pairs[i : i + BS])) for i in range(0, len(pairs), BS)]
+        steps = {"TRL RewardTrainer (padded)": lambda b: trl_step(trainer, b)(), **steps}
+    held = {name: sum(int(lay(b)["input_ids"].numel()) for b in batches) for name, lay in layouts.items()}
+    held["TRL RewardTrainer (padded)"] = held["hfacc padded"]
+    seconds = {name: [] for name in steps}
+    for r in range(rounds):
+        for name in list(steps)[:: 1 if r % 2 == 0 else -1]:
+            start = time.process_time()
+            for j, b in enumerate(batches):
+                steps[name](trl_batches[j] if name.startswith("TRL") else b)
+            model.zero_grad(set_to_none=True)
+            seconds[name].append(time.process_time() - start)
+    real = sum(int(b["attention_mask"].sum()) for b in batches)
+    once = sum(int(share_prompts(b)["layout_index"].unique().numel()) - 1 for b in batches)  # each prompt once
+    base = next(iter(steps))
+    print(f"\nforward and backward of the {len(batches)} micro-batches, CPU seconds (median of {rounds} interleaved); "
+          f"{real} real tokens, {once} with each prompt once")  # fmt: skip
+    print(f"| path | positions computed | CPU s | vs {base} |")
+    print("|---|---|---|---|")
+    for name, times in seconds.items():
+        print(f"| {name} | {held[name]} | {median(times):.2f} | {median(seconds[base]) / median(times):.2f}x |")
 
 
 # ---- the update error under ragged accumulation -------------------------------------------------------------------
@@ -361,6 +416,7 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--check-losses", action="store_true", help="re-run TRL's loss code on the tests' values")
     parser.add_argument("--only", choices=["reward", "kto"], default=None, help="one method only")
+    parser.add_argument("--layouts", action="store_true", help="reward: the forward and backward per layout only")
     add_quick(parser)
     cli = parser.parse_args(argv)
     if cli.quick:
@@ -378,6 +434,9 @@ def main(argv=None):
         print(f"TRL {version}'s loss code vs the values in tests/test_reward.py, test_kto.py: {check_losses():.1e}")
     pairs = bench_pairs(cli.rows, cli.vocab, **(dict(prompts=(4, 24), answers=(2, 24)) if cli.quick else {}))
     data = {"reward": pairs, "kto": unpair(pairs)}
+    if cli.layouts:
+        layout_profile(cli, pairs, cli.rounds)
+        return
     base = cli.kinds[0]
     for method in [cli.only] if cli.only else ["reward", "kto"]:
         examples = data[method]

@@ -76,6 +76,7 @@ def ddp_cases(tmp) -> dict:
                 abs(log["min_reward"] - rewards.min().item()), abs(log["max_reward"] - rewards.max().item())
             ),  # fmt: skip
             "padding_free": trainer.padding_free,
+            "shared_prompts": trainer.model_setup.shared_prompts is not None,
         }
     rows = imbalanced_rows(7)
     for name, kind, bs, ga, padding_free in KTO_CASES:

@@ -117,11 +117,12 @@ def test_distillation_evaluation_counts_every_target_once_on_two_ranks(results):
 @pytest.mark.parametrize("case", ["reward bs2 ga2 pf", "reward bs1 ga4 padded"])
 def test_reward_models_are_exact_on_two_ranks_with_uneven_pairs(results, case):
     """tests/reward_kto_check.py: 7 pairs with margins over 2 ranks, centering on, against the big batch of all 7;
-    the logged extremes are those of all 14 scores."""
+    the logged extremes are those of all 14 scores. Padding-free, the pairs share their prompts' forward
+    (hfacc.data.shared_prompts), chosen on both ranks."""
     r = results["reward_kto"][case]
     assert r["grad_error"] <= TOL and r["steps"] == 1 and r["num_pairs"] == 7
     assert r["loss_error"] <= 1e-5 and r["extremes_error"] <= 1e-5
-    assert r["padding_free"] is ("padded" not in case)
+    assert r["padding_free"] is r["shared_prompts"] is ("padded" not in case)
 
 
 @pytest.mark.parametrize(

@@ -149,7 +149,9 @@ def test_a_micro_batch_enters_the_padding_free_check_only_in_setup():
     assert users <= {"setup.model_setup", "training.trainer"}, users
     trainer = (PACKAGE / "training" / "trainer.py").read_text()
     compute_loss = trainer[trainer.index("    def compute_loss(") : trainer.index("    def log(")]
-    assert "remove_padding(" in compute_loss
+    layout = trainer[trainer.index("    def _layout(") : trainer.index("    def _get_num_items_in_batch(")]
+    assert "self._layout(" in compute_loss and "remove_padding(" in layout and "lay_out(" in layout
+    assert not re.search(r"check_\w+\(|choose_\w+\(", layout)
     assert not re.search(r"check_\w+\(|choose_padding_free|require_packing_support", compute_loss)
 
 

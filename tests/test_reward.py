@@ -27,8 +27,10 @@ from hfacc import (
 )
 from hfacc.data.formats import DataError
 from hfacc.data.padding_free import remove_padding
+from hfacc.data.shared_prompts import share_prompts
 from hfacc.objectives.reward import RewardSums, bradley_terry_loss
-from hfacc.ops.scores import get_sequence_scores
+from hfacc.ops.scores import PerPositionScores, get_sequence_scores
+from hfacc.setup.layout_check import check_shared_prompts, shared_prompts_problem
 from hfacc.setup.model_setup import build_model_setup
 from tests.helpers import CaptureGradients, relative_error, train_args
 from tests.reward_kto_reference import (
@@ -131,6 +133,21 @@ def pairs():
     return reward_pairs(8)
 
 
+def lay_out(batch, layout):
+    """``batch`` as ``layout`` says: padded, padding-free ("one row", "packed rows"), or its pairs sharing their
+    prompts (hfacc.data.shared_prompts: rows as wide as the longest pair, or as wide as they come: every pair of the
+    micro-batch in one row)."""
+    if layout == "padded":
+        return batch
+    if layout.startswith("shared prompts"):
+        wide = 10**9 if layout.endswith("wide rows") else 0
+        laid = share_prompts(batch, pad_token_id=0, keep=["margin"], attention_width=wide)
+        held = laid["layout_index"].unique().numel() - 1  # the positions that hold tokens: each prompt once
+        assert held < batch["attention_mask"].sum()
+        return laid
+    return remove_padding(batch, layout == "one row", keep=["margin"])
+
+
 def accumulate(model, objective, examples, bs, ga, accelerator, layout):
     """One window through hfacc's loop path (the window's counts, each micro-batch's share of the window loss),
     laid out as ``layout`` says; returns the accumulated gradient."""
@@ -139,8 +156,7 @@ def accumulate(model, objective, examples, bs, ga, accelerator, layout):
     for window in iter_windows(batches, ga):
         assert len(window) == len(batches)
         for mb in accumulation_window(accelerator, model, window, objective=objective):
-            laid = mb.batch if layout == "padded" else remove_padding(mb.batch, layout == "one row", keep=["margin"])
-            _, sums = objective(model, laid)
+            _, sums = objective(model, lay_out(mb.batch, layout))
             mb.scale(sums).backward()
     grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).clone()
     model.zero_grad()
@@ -156,9 +172,9 @@ def test_every_split_and_layout_gives_the_big_batch(center, margins, model, pair
     want, _, _ = reward_big_batch(model, examples, center)
     objective = RewardObjective(center)
     setup = build_model_setup(model, COLLATE(examples[:2]), accelerator, objective=objective, padding_free=True)
-    assert setup.padding_free  # the per-position scores passed the layout check
+    assert setup.padding_free and setup.shared_prompts  # the per-position scores passed the layout checks
     worst = 0.0
-    for layout in ("padded", "one row", "packed rows"):
+    for layout in ("padded", "one row", "packed rows", "shared prompts", "shared prompts, wide rows"):
         for bs, ga in SPLITS:
             error = relative_error(accumulate(model, objective, examples, bs, ga, accelerator, layout), want)
             assert error <= TOL, (layout, bs, ga, error)
@@ -182,6 +198,85 @@ def test_the_mean_of_micro_batch_means_is_not_it(model, pairs):
     assert relative_error(got, want) > 1e-3
 
 
+# ---- the shared-prompt layout: what its check guards against ----------------------------------------------------
+def test_shared_prompts_without_their_mask_are_not_it(model, pairs):
+    """Negative control: the same layout without its 4-D mask (the answers see each other, pairs the pair before them)
+    misses the big batch."""
+    from accelerate import Accelerator
+
+    want, _, _ = reward_big_batch(model, pairs, CENTER)
+    objective = RewardObjective(CENTER)
+    model.zero_grad()
+    for mb in accumulation_window(Accelerator(cpu=True), model, [COLLATE(pairs[:4]), COLLATE(pairs[4:])],
+                                  objective=objective):  # fmt: skip
+        laid = lay_out(mb.batch, "shared prompts, wide rows")
+        del laid["attention_mask"]
+        mb.scale(objective(model, laid)[1]).backward()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    assert relative_error(got, want) > 1e-3
+
+
+def ignoring(model, what):
+    """``model`` (a copy) whose backbone drops what the shared-prompt layout needs: its 4-D mask ("mask": each row is
+    then one causal sequence, as a kernel that reads a mask as padding only computes it) or its ``position_ids``
+    ("positions")."""
+    import copy
+
+    model = copy.deepcopy(model)
+    backbone, forward = model.model, model.model.forward
+
+    def patched(*args, attention_mask=None, position_ids=None, **kwargs):
+        if what == "mask" and torch.is_tensor(attention_mask) and attention_mask.dim() == 4:
+            attention_mask = torch.ones(attention_mask.shape[0], attention_mask.shape[-1], dtype=torch.long)
+        if what == "positions" and torch.is_tensor(attention_mask) and attention_mask.dim() == 4:
+            position_ids = None
+        return forward(*args, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+
+    backbone.forward = patched
+    return model
+
+
+def test_the_shared_prompt_check_sees_what_it_guards_against(model, pairs):
+    """sdpa (boolean mask) and eager attention (additive mask) pass; a backbone that drops the 4-D mask fails on the
+    leak between answers and pairs, one that drops the positions (they restart after the prompt) on the values;
+    attention that takes no 4-D mask is refused without a run; shared_prompts=False takes no decision."""
+    import copy
+
+    from accelerate import Accelerator
+
+    batch = COLLATE(pairs[:2])
+    assert check_shared_prompts(PerPositionScores(model), batch, None, 0) is None
+    eager = copy.deepcopy(model)
+    eager.config._attn_implementation = "eager"
+    assert check_shared_prompts(PerPositionScores(eager), batch, torch.float32, 0) is None
+    leaks = check_shared_prompts(PerPositionScores(ignoring(model, "mask")), batch, None, 0)
+    assert "a leak" in leaks and "reaches another answer or pair" in leaks
+    assert "its values by" in check_shared_prompts(PerPositionScores(ignoring(model, "positions")), batch, None, 0)
+    flex = copy.deepcopy(model)
+    flex.config._attn_implementation = "flash_attention_2"
+    assert "takes no 4-D mask" in shared_prompts_problem(flex, RewardObjective())
+    setup = build_model_setup(model, batch, Accelerator(cpu=True), objective=RewardObjective(), shared_prompts=False)
+    assert setup.padding_free and setup.shared_prompts is None
+
+
+def test_a_model_that_drops_the_mask_trains_each_sequence_on_its_own_and_says_so(model, pairs, tmp_path, caplog):
+    """The fallback: the check fails (said at WARNING, with the setting), the pairs' sequences are laid out on their
+    own (packed rows) and the update is the big batch's."""
+    broken = ignoring(model, "mask")
+    want, _, _ = reward_big_batch(broken, pairs, CENTER)
+    capture = CaptureGradients(broken)
+    args = train_args(tmp_path, 3, 3, args_class=TokenWeightedArguments)
+    trainer = TokenWeightedTrainer(model=broken, args=args, train_dataset=Dataset.from_list(pairs),
+                                   data_collator=COLLATE, objective=RewardObjective(CENTER), callbacks=[capture])  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="hfacc"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "laid out on its own" in r.getMessage()]
+    assert len(said) == 1 and "a leak" in said[0] and "shared_prompts=False" in said[0]
+    assert trainer.padding_free and trainer.model_setup.shared_prompts is None
+    assert relative_error(capture.grads[0], want) <= TOL
+
+
 # ---- the trainer ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("bs, ga, padding_free", [(3, 3, True), (2, 4, False), (1, 8, True)])
 def test_trainer_gives_the_big_batch_and_trls_metrics(bs, ga, padding_free, model, pairs, tmp_path):
@@ -199,6 +294,7 @@ def test_trainer_gives_the_big_batch_and_trls_metrics(bs, ga, padding_free, mode
     )
     trainer.train()
     assert trainer.padding_free is padding_free
+    assert (trainer.model_setup.shared_prompts is not None) is padding_free  # pairs share their prompts' forward
     assert len(capture.grads) == 1 and relative_error(capture.grads[0], want) <= TOL
     log = trainer.state.log_history[0]
     chosen, rejected = rewards[:8], rewards[8:]
@@ -364,11 +460,12 @@ def test_with_pad_equal_to_eos_the_score_is_the_models_own(model, pairs):
         layouts = {"right": (batch, own), "left": (left, own_left)}
         for one_row in (True, False):
             layouts[f"padding-free {one_row}"] = (remove_padding(batch, one_row, keep=["margin"]), own)
+        layouts["shared prompts"] = (share_prompts(batch, pad_token_id=0), own)
         for name, (laid, want) in layouts.items():
             assert relative_error(get_sequence_scores(model, laid)[1], want) <= 1e-6, name
     want, _, _ = reward_big_batch(model, eos_pairs)
     objective = RewardObjective(CENTER)
-    for layout, (bs, ga) in (("padded", (1, 4)), ("packed rows", (3, 2))):
+    for layout, (bs, ga) in (("padded", (1, 4)), ("packed rows", (3, 2)), ("shared prompts", (3, 2))):
         got = accumulate(model, objective, eos_pairs, bs, ga, Accelerator(cpu=True), layout)
         assert relative_error(got, want) <= TOL, layout
 

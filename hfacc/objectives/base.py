@@ -106,6 +106,10 @@ class Objective(ABC):
     # through hfacc.ops.loss.shift_labels (which sees where packed sequences start) and anything per sequence through
     # the layout's `sequence_ids`.
     supports_padding_free = False
+    # Whether a padding-free micro-batch of pairs may share each pair's prompt (hfacc.data.shared_prompts: one unit,
+    # the prompt once, both answers after it under a 4-D mask): the objective reads each sequence's score through
+    # hfacc.ops.scores.get_sequence_scores (which follows the layout's ``score_index``) and nothing per token.
+    supports_shared_prompts = False
     # Whether the loss can be computed from the final hidden states in chunks, never holding the full logits
     # (hfacc.setup.loss_path.choose_loss_path decides, once per model, and sets ``fused``); such an objective
     # implements ``check_fused(model, batch, normalization)``: why not for this model (None: it can).

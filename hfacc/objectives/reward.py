@@ -93,6 +93,7 @@ class RewardObjective(PairedRows, Objective):
     units = ("pairs", "sequences")
     has_accuracy = False
     supports_padding_free = True
+    supports_shared_prompts = True
     row_keys = (MARGIN,)
     columns = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels", MARGIN)
     rate_name = "pairs_per_second"
@@ -132,7 +133,7 @@ class RewardObjective(PairedRows, Objective):
     # ---- per micro-batch ---------------------------------------------------------------------------------------
     def count(self, batch: Mapping[str, Any]) -> torch.Tensor:
         """``tensor([pairs, sequences])``, before any forward (padded or padding-free)."""
-        sequences = int(batch["num_sequences"]) if batch.get("sequence_ids") is not None else num_rows(batch)
+        sequences = int(batch["num_sequences"]) if batch.get("num_sequences") is not None else num_rows(batch)
         return torch.tensor([sequences // 2, sequences])
 
     def __call__(self, model, batch, per_sequence=False):

@@ -14,8 +14,18 @@ from torch import nn
 
 # Batch keys that describe targets or hfacc's bookkeeping, never model inputs. `sequence_ids` / `num_sequences`: which
 # of the batch's sequences each position belongs to (-1: none), where a layout put several in a row (padding-free);
-# `padded_index`: where each position's token was in the padded batch.
-NON_MODEL_KEYS = ("labels", "shift_labels", "sequence_ids", "num_sequences", "padded_index")
+# `padded_index`: where each position's token was in the padded batch; `score_index`, `layout_index`: where the
+# shared-prompt layout of preference pairs put each sequence's scored position and each padded token
+# (hfacc.data.shared_prompts).
+NON_MODEL_KEYS = (
+    "labels",
+    "shift_labels",
+    "sequence_ids",
+    "num_sequences",
+    "padded_index",
+    "score_index",
+    "layout_index",
+)
 
 
 def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -26,9 +36,10 @@ def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
 def forward_inputs(batch: Mapping[str, Any], row_keys: Collection[str] = ()) -> dict[str, Any]:
     """What of ``batch`` goes into the model's forward: its model inputs without the per-row values an objective
     reads (``row_keys``), and no cache for packed rows (with one, transformers does not keep packed sequences
-    apart: :func:`packed_position_ids`)."""
+    apart: :func:`packed_position_ids`), nor for a 4-D mask of the layout's own (hfacc.data.shared_prompts)."""
     inputs = {k: v for k, v in model_inputs(batch).items() if k not in row_keys}
-    if packed_position_ids(inputs) is not None:
+    mask = inputs.get("attention_mask")
+    if packed_position_ids(inputs) is not None or (torch.is_tensor(mask) and mask.dim() == 4):
         inputs["use_cache"] = False
     return inputs
 

@@ -10,7 +10,9 @@ same under its own forward (TRL, pipelines, :class:`hfacc.generation.rewards.Rew
 - in a padded batch, the row's rightmost token that is not ``pad_token_id`` (right or left padding), as the model;
 - in a padding-free layout (:func:`hfacc.data.padding_free.remove_padding`), where a row holds several sequences and
   the model's own pooling would give one score per row, each sequence's rightmost token that is not
-  ``pad_token_id`` (``sequence_ids``; its first token when every token is): what the model reads of it padded.
+  ``pad_token_id`` (``sequence_ids``; its first token when every token is): what the model reads of it padded;
+- in the shared-prompt layout of pairs (:func:`hfacc.data.shared_prompts.share_prompts`), where that token is, as
+  the layout computed it (``score_index``).
 
 With a pad token equal to EOS (TRL's default) that is the token *before* a final EOS, in both layouts, as the model
 reads it; a distinct pad token makes the model (and hfacc) read the EOS itself. Without a ``pad_token_id`` the last
@@ -115,7 +117,9 @@ def get_sequence_scores(
     shape = batch["input_ids"].shape if torch.is_tensor(batch.get("input_ids")) else None
     if captured and shape is not None and tuple(captured[-1].shape[:2]) == tuple(shape[:2]):
         per_position = captured[-1][..., 0].float()
-        index = get_last_token_index(batch, shape, get_pad_token_id(model))
+        index = batch.get("score_index")  # the shared-prompt layout says where (hfacc.data.shared_prompts)
+        if index is None:
+            index = get_last_token_index(batch, shape, get_pad_token_id(model))
         return outputs, per_position.flatten()[index]
     if batch.get("sequence_ids") is not None:
         raise ValueError(

@@ -32,11 +32,13 @@ from torch import nn
 
 from ..data.multimodal import get_image_inputs, takes_images, unpack_rows, with_packed_positions
 from ..data.padding_free import remove_padding
+from ..data.shared_prompts import get_attention_width, share_prompts
 from ..objectives import Objective
 from ..ops.fused_loss import fused_loss_problem, swap_output_head
 from ..ops.loss import IGNORE_INDEX, get_sequence_starts, shift_labels
 from ..ops.model_io import get_aux_loss, get_base_model, get_input_embeddings, get_logits, model_inputs
 from ..ops.precision import check_precision, get_tolerance
+from ..ops.scores import get_last_token_index, get_pad_token_id
 from ..runtime.distributed import all_ranks_agree
 
 logger = logging.getLogger(__name__)
@@ -632,3 +634,218 @@ def check_image_layout(
             "features or positions do not follow the sequences, or image tokens attend across them)"
         )
     return None
+
+
+# ---- the shared-prompt layout of preference pairs (hfacc.data.shared_prompts) ----------------------------------
+class SharedPromptsChoice(NamedTuple):
+    """What :func:`choose_shared_prompts` decided for a model whose pairs share their prompt's forward: how the mask
+    is written for its attention, where a sequence is scored, the longest row verified and the rows' cost model."""
+
+    mask_dtype: torch.dtype | None  # None: boolean (sdpa); else additive (eager)
+    pad_token_id: int | None
+    max_row_length: int
+    attention_width: int
+
+    def lay_out(self, batch: Mapping[str, Any], keep=()) -> dict[str, Any] | None:
+        """``batch`` in the shared-prompt layout (:func:`hfacc.data.shared_prompts.share_prompts`), or None."""
+        return share_prompts(
+            batch, self.pad_token_id, self.mask_dtype, self.max_row_length, keep, self.attention_width
+        )
+
+
+# The attention implementations that take a 4-D mask as given, and how it is written for each.
+MASK_DTYPES = {"sdpa": None, "eager": torch.float32}
+
+
+def shared_prompts_problem(model: nn.Module, objective: Objective, args=None) -> str | None:
+    """Why the pairs of ``objective`` cannot share their prompt's forward on ``model``, judged without running it;
+    None if a run must decide (:func:`check_shared_prompts`)."""
+    if not objective.supports_shared_prompts:
+        return f"the objective {objective.name!r} does not read pairs whose prompt may be shared"
+    base = get_base_model(model)
+    implementation = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    if implementation not in MASK_DTYPES:
+        return f"its attention ({implementation!r}) takes no 4-D mask (sdpa and eager do)"
+    if getattr(args, "neftune_noise_alpha", None):
+        return "NEFTune draws its noise per padded token, so the two copies of a prompt get different noise"
+    return position_ids_problem(base)
+
+
+def _check_pairs(batch: Mapping[str, Any], vocab: int) -> dict[str, torch.Tensor]:
+    """Three pairs made of ``batch``'s real tokens, right-padded ``[6, T]`` (chosen rows first): prompts of 8, 4 and 3
+    tokens, answers of 12 / 10, 4 / 4 and 3 / 4 that part at their first token. Laid out, the first pair has a row of
+    its own (30 tokens) and the other two share one, before a filler of 8."""
+    prompts, chosen, rejected = [8, 4, 3], [12, 4, 3], [10, 4, 4]
+    mask, ids = batch.get("attention_mask"), batch["input_ids"]
+    tokens = ids[mask.bool()] if torch.is_tensor(mask) and mask.shape == ids.shape else ids.flatten()
+    total = sum(prompts) + sum(chosen) + sum(rejected)
+    tokens = tokens.repeat(-(-total // max(tokens.numel(), 1)))[:total].tolist()
+    sequences, rest = [[], []], iter(tokens)
+    for p, c, r in zip(prompts, chosen, rejected, strict=True):
+        prompt = [next(rest) for _ in range(p)]
+        answer = [next(rest) for _ in range(c)]
+        other = [next(rest) for _ in range(r)]
+        other[0] = (answer[0] + 1) % vocab  # the two answers part at their first token
+        sequences[0].append(prompt + answer)
+        sequences[1].append(prompt + other)
+    rows = sequences[0] + sequences[1]
+    width = max(map(len, rows))
+    padded_ids = torch.zeros(len(rows), width, dtype=ids.dtype, device=ids.device)
+    padded_mask = torch.zeros(len(rows), width, dtype=torch.long, device=ids.device)
+    for r, row in enumerate(rows):
+        padded_ids[r, : len(row)] = torch.tensor(row, dtype=ids.dtype)
+        padded_mask[r, : len(row)] = 1
+    return {"input_ids": padded_ids, "attention_mask": padded_mask}
+
+
+def _run_scores(model: nn.Module, inputs: Mapping[str, Any], weights: torch.Tensor):
+    """The per-position outputs ``[rows, T]`` (fp32) of ``model`` (a :class:`hfacc.ops.scores.PerPositionScores`
+    view) and the gradient of ``sum(outputs * weights)`` with respect to the input embeddings (None without them)."""
+    embeddings = get_input_embeddings(model)
+    leaf = []
+
+    def capture(module, args, output):  # the embeddings as a leaf of their own (see _run_check)
+        leaf.append(output.detach().requires_grad_())
+        return leaf[-1].clone()
+
+    handle = embeddings.register_forward_hook(capture) if embeddings is not None else None
+    try:
+        with torch.enable_grad():
+            scores = get_logits(model(**inputs, use_cache=False))[..., 0].float()
+            grad = None
+            if len(leaf) == 1:
+                (grad,) = torch.autograd.grad((scores * weights).sum(), leaf[0], allow_unused=True)
+    finally:
+        if handle is not None:
+            handle.remove()
+    return scores.detach(), None if grad is None else grad.float()
+
+
+def check_shared_prompts(
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    mask_dtype: torch.dtype | None = None,
+    pad_token_id: int | None = None,
+    tolerance: float | None = None,
+) -> str | None:
+    """Run three pairs as separate padded sequences and in the shared-prompt layout, forward and backward; None if
+    the layout computes every sequence as its own forward does, else why not.
+
+    ``model`` gives a value at every position (a reward model's :class:`hfacc.ops.scores.PerPositionScores`). In the
+    check's precision (:func:`hfacc.ops.precision.get_check_precision`), within :func:`get_tolerance` (1e-6 fp32):
+
+    - every real position's value, and each sequence's score where it is read (``score_index``): a model that ignores
+      ``position_ids`` (the answers' positions restart after the prompt) or the 4-D mask misses them;
+    - the gradient of the sum of every sequence's values with respect to the input embeddings: at a shared prompt
+      token, the sum of what its two copies get padded; at the filler exactly 0;
+    - leaks: every chosen answer, and the whole of the first pair of a row with two, are changed and the layout run
+      again: the other positions' values must not move beyond rounding (an eighth of the bound), and the gradient of
+      their sum must not reach the changed tokens at all (exactly 0): an answer that sees the other answer, or a
+      pair that sees the pair before it, does.
+    """
+    padded = _check_pairs(batch, _vocab_size(model, batch["input_ids"]))
+    laid = share_prompts(padded, pad_token_id, mask_dtype)
+    real = padded["attention_mask"].bool()
+    where = laid["layout_index"][real]  # the layout position of each padded real position
+    rows, width = laid["input_ids"].shape
+    counts = torch.zeros(rows * width, device=where.device).index_add_(
+        0, where, torch.ones_like(where, dtype=torch.float)
+    )
+    shared = [set(laid["layout_index"][r][real[r]].tolist()) for r in range(real.shape[0])]
+    pairs = real.shape[0] // 2
+    changed = set().union(*(shared[i] - shared[pairs + i] for i in range(pairs)))  # the chosen answers
+    changed |= shared[1] | shared[pairs + 1]  # the first pair of the second row, all of it
+    changed_mask = torch.zeros(rows * width, dtype=torch.bool, device=where.device)
+    changed_mask[list(changed)] = True
+    watched = (counts > 0) & ~changed_mask
+    other = laid["input_ids"].flatten().clone()
+    other[changed_mask] = (other[changed_mask] + 1) % _vocab_size(model, other)
+    view_inputs = {k: laid[k] for k in ("input_ids", "position_ids", "attention_mask")}
+    was_training = model.training
+    model.eval()
+    try:
+        with check_precision(model) as precision:
+            reference, reference_grad = _run_scores(model, padded, real.float())
+            scores, grad = _run_scores(model, view_inputs, counts.view(rows, width))
+            moved, moved_grad = _run_scores(
+                model, {**view_inputs, "input_ids": other.view(rows, width)}, watched.float().view(rows, width)
+            )
+    except Exception as err:  # an attention or model that does not take the 4-D mask
+        return f"the shared-prompt forward failed ({type(err).__name__}: {err})"
+    finally:
+        model.train(was_training)
+    tolerance = get_tolerance(precision.dtype) if tolerance is None else tolerance
+    if scores.shape != (rows, width):
+        return f"the shared-prompt forward returned values of shape {tuple(scores.shape)}"
+    read = get_last_token_index(padded, padded["input_ids"].shape, pad_token_id)
+    checks = [
+        ("its values", _relative(scores.flatten()[where], reference[real]), tolerance),
+        ("its scores", _relative(scores.flatten()[laid["score_index"]], reference.flatten()[read]), tolerance),
+        ("a value when another answer or pair changes (a leak)", _relative(moved.flatten()[watched],
+                                                                           scores.flatten()[watched]), tolerance / 8),
+    ]  # fmt: skip
+    if grad is not None and reference_grad is not None:
+        grad, moved_grad = grad.flatten(0, 1), moved_grad.flatten(0, 1)
+        expected = torch.zeros_like(grad).index_add_(0, where, reference_grad[real])
+        checks.append(("its gradient", _relative(grad, expected), tolerance))
+        checks.append(("the gradient that reaches the filler", _share(grad[counts == 0], expected), 0.0))
+        reached = _share(moved_grad[changed_mask], moved_grad[watched])
+        checks.append(("the gradient of a value that reaches another answer or pair (a leak)", reached, 0.0))
+    wrong = [
+        f"{what} by {d:.1e} relative ({f'bound {bound:.0e}' if bound else 'it must be 0'})"
+        for what, d, bound in checks
+        if not d <= bound
+    ]
+    if wrong:
+        return "not what each sequence's own forward computes: " + "; ".join(wrong)
+    return None
+
+
+def choose_shared_prompts(
+    objective: Objective,
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    accelerator,
+    args=None,
+    longest_sequence: int = 0,
+) -> SharedPromptsChoice | None:
+    """Whether the pairs of a padding-free run share their prompt's forward (:mod:`hfacc.data.shared_prompts`),
+    decided once, the same on every rank, and said at WARNING either way (``shared_prompts=False`` skips it).
+
+    :func:`shared_prompts_problem` first (no run), then :func:`check_shared_prompts` on the objective's view of the
+    model, then rows as long as a pair's unit can be (twice the longest sequence, the largest over the ranks) run at
+    their offsets (:func:`check_row_offsets`): rows are bounded to the length verified. None: each sequence laid out
+    on its own (:func:`hfacc.data.padding_free.remove_padding`), as before.
+    """
+    problem = shared_prompts_problem(model, objective, args)
+    if problem is not None and not objective.supports_shared_prompts:
+        return None
+    view = objective.layout_view(model)
+    base = get_base_model(model)
+    mask_dtype = MASK_DTYPES.get(getattr(getattr(base, "config", None), "_attn_implementation", None))
+    pad_token_id = get_pad_token_id(model)
+    if problem is None:
+        problem = check_shared_prompts(view, batch, mask_dtype, pad_token_id)
+    length = 0
+    if all_ranks_agree(problem is None, accelerator):
+        target = 2 * _row_lengths(batch, accelerator, 0, longest_sequence)[False]
+        length, why = check_row_offsets(view, batch, target) if target > CHECK_TOKENS else (target, None)
+        length = _min_over_ranks(length, accelerator)
+        problem = None if length >= 2 else (why or "a long row differs on another rank")
+    else:
+        problem = problem or "not exact on another rank"
+    if problem is not None:
+        logger.warning(
+            "hfacc: each sequence of a pair laid out on its own (its prompt computed twice): %s. Set "
+            "shared_prompts=False to skip the check.",
+            problem,
+        )
+        return None
+    choice = SharedPromptsChoice(mask_dtype, pad_token_id, length, get_attention_width(getattr(base, "config", None)))
+    logger.warning(
+        "hfacc: shared-prompt pairs: each pair's prompt computed once, both answers after it under a 4-D mask, rows "
+        "of up to %d tokens (checked: every sequence's values, scores and gradient match its own forward, and "
+        "nothing leaks between answers or pairs). Set shared_prompts=False to lay each sequence out on its own.",
+        length,
+    )
+    return choice

@@ -6,7 +6,8 @@ engines stay in step, and the ranks agree on each answer):
 1. the objective: the one given, or for ``objective="auto"`` the one the model class and the labels call for
    (:func:`hfacc.objectives.get_objective`); transformers' ``compute_loss_func`` is wrapped to count like it;
 2. the layout: padding-free micro-batches where the objective supports them and the model passes the check
-   (:func:`hfacc.setup.layout_check.choose_padding_free`), else the batches as collated;
+   (:func:`hfacc.setup.layout_check.choose_padding_free`), else the batches as collated; for pairs, each prompt
+   computed once where the model passes that check too (:func:`hfacc.setup.layout_check.choose_shared_prompts`);
 3. the loss path: the fused chunked loss where the objective and the model allow it
    (:func:`hfacc.setup.loss_path.choose_loss_path`), else full logits;
 4. the objective's own decisions (:meth:`hfacc.Objective.setup`: a reference model, a teacher, ...); a frozen model
@@ -31,7 +32,14 @@ from ..objectives import LossFunctionObjective, ModelLossObjective, Objective, g
 from ..objectives.base import SetupContext
 from ..ops.model_io import get_base_model
 from ..runtime.distributed import all_ranks_agree
-from .layout_check import CHECK_TOKENS, check_padding_free, check_row_offsets, choose_padding_free
+from .layout_check import (
+    CHECK_TOKENS,
+    SharedPromptsChoice,
+    check_padding_free,
+    check_row_offsets,
+    choose_padding_free,
+    choose_shared_prompts,
+)
 from .loss_path import choose_loss_path
 
 logger = logging.getLogger(__name__)
@@ -51,6 +59,9 @@ class ModelSetup:
             :func:`hfacc.data.padding_free.remove_padding`).
         loss_path: ``"fused"`` or ``"plain"`` (full logits).
         loss_path_problem: why not fused, where the fused loss was wanted.
+        shared_prompts: with ``padding_free``, the shared-prompt layout of pairs where the objective reads pairs and
+            the model passed its check (:func:`hfacc.setup.layout_check.choose_shared_prompts`); None: each sequence
+            laid out on its own.
     """
 
     objective: Objective
@@ -59,6 +70,7 @@ class ModelSetup:
     max_row_length: int = 0
     loss_path: str = "plain"
     loss_path_problem: str | None = None
+    shared_prompts: SharedPromptsChoice | None = None
 
 
 def build_model_setup(
@@ -68,6 +80,7 @@ def build_model_setup(
     *,
     objective: Objective | str = "auto",
     padding_free: bool = True,
+    shared_prompts: bool = True,
     fused_loss: bool = True,
     normalization: str = "token",
     chunk_size: int | None = None,
@@ -82,7 +95,7 @@ def build_model_setup(
 
     Args:
         objective: an :class:`hfacc.Objective`, or the name of a built-in one (``"auto"``: from the model and labels).
-        padding_free, fused_loss, normalization, chunk_size, label_smoothing: as the fields of
+        padding_free, shared_prompts, fused_loss, normalization, chunk_size, label_smoothing: as the fields of
             :class:`hfacc.TokenWeightedArguments` (``loss_chunk_size``, ``label_smoothing_factor``) that set them.
         compute_loss_func: transformers' ``compute_loss_func``: the loss is the user's, counted by the objective.
         args, trainer: the run's arguments and trainer, for objectives whose setup reads them
@@ -104,6 +117,8 @@ def build_model_setup(
         setup.padding_free, setup.one_row, setup.max_row_length = choose_padding_free(
             objective, model, batch, accelerator, max_tokens_per_batch=budget, longest_sequence=longest_sequence
         )
+        if setup.padding_free and shared_prompts and objective.supports_shared_prompts:
+            setup.shared_prompts = choose_shared_prompts(objective, model, batch, accelerator, args, longest_sequence)
     objective = setup.objective
     if objective.supports_fused:
         problem = choose_loss_path(

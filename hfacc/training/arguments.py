@@ -38,6 +38,17 @@ class TokenWeightedArguments(TrainingArguments):
             + "."
         },
     )
+    shared_prompts: bool = field(
+        default=True,
+        metadata={
+            "help": "Reward models, with padding_free: lay each pair out as its prompt once, then both answers, each "
+            "attending to the prompt and to itself through a 4-D attention mask (positions restart after the "
+            "prompt), so the shared prompt is computed once instead of twice. Each sequence is scored as its own "
+            "forward scores it: checked once per model (scores, gradient, leaks between answers and pairs, long "
+            "rows); attention without 4-D masks (flash, flex) or a model that fails the check keeps each sequence "
+            "on its own (said at WARNING). False: off."
+        },
+    )
     fused_loss: bool = field(
         default=True,
         metadata={

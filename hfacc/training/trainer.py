@@ -312,8 +312,12 @@ class TokenWeightedTrainer(Trainer):
         """``batch`` laid out as training lays out its micro-batches (padding-free where the setup decided so)."""
         if not self.padding_free:
             return batch
-        setup = self.model_setup
-        return remove_padding(batch, setup.one_row, setup.max_row_length, keep=self.objective.row_keys) or batch
+        setup, keep = self.model_setup, self.objective.row_keys
+        if setup.shared_prompts is not None:  # pairs: each prompt once (hfacc.data.shared_prompts)
+            laid = setup.shared_prompts.lay_out(batch, keep=keep)
+            if laid is not None:
+                return laid
+        return remove_padding(batch, setup.one_row, setup.max_row_length, keep=keep) or batch
 
     def _get_num_items_in_batch(self, batch_samples, device):
         # Replaces the stock count (and its cross-rank gather) wherever the Trainer asks for it, e.g. in
@@ -333,6 +337,7 @@ class TokenWeightedTrainer(Trainer):
             objective=self.objective if self.objective is not None else self._objective_setting,
             # Ulysses needs every rank of a sequence group to hold the same shape: padded rows.
             padding_free=self.args.padding_free and self.sp_size == 1,
+            shared_prompts=self.args.shared_prompts,
             fused_loss=self.args.fused_loss,
             normalization=self.args.normalization,
             chunk_size=self.args.loss_chunk_size,
@@ -383,9 +388,9 @@ class TokenWeightedTrainer(Trainer):
         if not model.training and objective.supports_fused:
             # The fused path returns loss sums where the logits would be: only when nobody reads the logits.
             objective.fused_in_eval = not self._eval_needs_logits
-        padded, setup = inputs, self.model_setup
+        padded = inputs
         if self.padding_free and (model.training or objective.fused_in_eval):  # eval: unless logits are wanted
-            inputs = remove_padding(inputs, setup.one_row, setup.max_row_length, keep=objective.row_keys) or inputs
+            inputs = self._layout(inputs)
         if model.training:
             if self.window is None or self.window.left <= 0:
                 # compute_loss called outside the Trainer's loop (e.g. a user's own `training_step` call): the
