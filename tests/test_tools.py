@@ -682,6 +682,59 @@ def test_the_tool_task_and_a_bad_tool_name(capsys):
     assert "tool 'nosuch_module:f': no module 'nosuch_module' on the Python path" in capsys.readouterr().err
 
 
+class SFTReplay(GenerationEngine):
+    """Samples, and answers greedily, exactly the assistant turns an SFT row of the tool task trains on (its label
+    spans, each ending with EOS), turn after turn: the policy the SFT taught, perfectly learned."""
+
+    def __init__(self, turns: list[list[int]], eos: int):
+        super().__init__()
+        self.turns, self.eos = iter(turns), eos
+
+    def sample(self, prompt_ids, settings, *, seed=None):
+        return Samples([next(self.turns) for _ in prompt_ids], [False] * len(prompt_ids))
+
+    def answer(self, prompt_ids, max_new_tokens):
+        return [next(self.turns)[:-1] for _ in prompt_ids]  # EOS left out, as engines answer
+
+    def sync_weights(self, model):
+        pass
+
+
+def test_the_demo_trains_and_is_evaluated_on_the_ids_its_sft_taught():
+    """The tool task's SFT rows against the rollout GRPO trains on and the greedy evaluation reads, for a policy that
+    writes exactly what the SFT taught: the same ids (the prompt with the tools line, the call, the tool's result,
+    the answer; only the SFT row's newline after the last EOS is not sampled), the same targets, and the answer that
+    exact match and the rewards read scores 1. Where the run warns that a trajectory is not the template's rendering,
+    it is a sampled turn that does not re-tokenize to itself (e.g. a lone byte of a UTF-8 character), not these."""
+    from hfacc.data.embedded_tools import QUESTION, copied_digits, generate_tool_examples
+    from hfacc.data.embedded_tools import multiply as task_multiply
+    from hfacc.data.formats import encode_row
+    from hfacc.generation.rewards import completion_text, correctness
+
+    tokenizer = build_default_tokenizer()
+    sampler = MultiTurnSampler([task_multiply], tokenizer, max_tool_calling_iterations=1, tool_timeout=5.0)
+    rows = generate_tool_examples(6, seed=11, direct_fraction=0.5)
+    assert {len(r["messages"]) for r in rows} == {2, 4}  # both kinds: answered at once, and with the tool
+    for row in rows:
+        ids, labels, _, _ = encode_row(tokenizer, row, 0, "messages")
+        pairs = zip(ids, labels, strict=True)
+        spans = [[i for i, _ in g] for k, g in itertools.groupby(pairs, key=lambda p: p[1] != -100) if k]
+        prompt, last = row["messages"][:1], row["messages"][-1]["content"]
+        product = task_multiply(*QUESTION.search(prompt[0]["content"]).groups())
+        prompt_ids = sampler.prompt_ids(prompt)
+        (trained,) = sampler.sample(SFTReplay(spans, tokenizer.eos_token_id), [prompt], [prompt_ids],
+                                    SamplingSettings(128))  # fmt: skip
+        (greedy,) = sampler.answer(SFTReplay(spans, tokenizer.eos_token_id), [prompt], 128)
+        (rollout_row,) = build_rollout_rows([prompt_ids], [trained.ids], [1.0], [trained.mask])
+        assert ids[-1] == tokenizer("\n")["input_ids"][0] and rollout_row["input_ids"] == ids[:-1]
+        assert rollout_row["labels"] == labels[:-1]
+        assert prompt_ids + greedy.ids == ids[:-1] and greedy.messages == trained.messages
+        assert trained.tool_calls == (len(row["messages"]) == 4) and trained.tool_failures == 0
+        assert completion_text(greedy.messages) == last  # "About 310000" where it answered at once: wrong
+        assert correctness([prompt], [trained.messages], answer=[product]) == [float(len(row["messages"]) == 4)]
+        assert copied_digits([prompt], [trained.messages]) == [float(len(row["messages"]) == 4)]
+
+
 @pytest.mark.slow
 def test_hfacc_grpo_with_a_tool_reports_the_tool_rates(tmp_path, capsys):
     """recipes/configs/tiny_grpo_tools.yaml shortened, the tool named on the command line (``--tools``): a short SFT

@@ -15,6 +15,7 @@ wrong (it cannot multiply). GRPO's correctness reward is what teaches it to call
 from __future__ import annotations
 
 import random
+import re
 
 TOOL_TASK = "multiply"
 FACTORS = (400, 999)  # products of 160,000..998,001: six digits each
@@ -54,8 +55,8 @@ def generate_tool_examples(n: int = 4000, seed: int = 0, direct_fraction: float 
     for _ in range(n):
         messages, a, b = _question(rng)
         product = multiply(a, b)
-        if rng.random() < direct_fraction:
-            messages.append({"role": "assistant", "content": product})
+        if rng.random() < direct_fraction:  # an estimate: the model cannot multiply, so it guesses the magnitude
+            messages.append({"role": "assistant", "content": f"About {round(int(product), -4)}"})
         else:
             call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": a, "b": b}}}
             messages += [
@@ -65,6 +66,47 @@ def generate_tool_examples(n: int = 4000, seed: int = 0, direct_fraction: float 
             ]
         rows.append({"messages": messages, "tools": tools, "task": TOOL_TASK})
     return rows
+
+
+QUESTION = re.compile(r"What is (\d+) x (\d+)\?")
+
+
+def copied_digits(prompts, completions, **columns) -> list[float]:
+    """Partial credit for the two copies the task needs: the share of digits copied right, of the question's two
+    factors into the first ``multiply`` call (6 digits) and of the tool's result into the last answer (6 digits).
+
+    Each copy is scored position by position (a digit left out or added shifts the rest: they count as wrong); a
+    completion without a call scores 0 (it copied nothing), as does a text completion. Where exact match
+    (``correctness``) is 1 for few samples (one digit of twelve sampled wrong spoils it), this ranks a group's
+    samples by how much of the copy they got right, at the position where they differ.
+
+    >>> call = {"function": {"name": "multiply", "arguments": {"a": 123, "b": 456}}}
+    >>> turns = [{"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "56088"}]
+    >>> copied_digits([[{"role": "user", "content": "What is 123 x 457?"}]],
+    ...               [turns + [{"role": "assistant", "content": "56188"}]])
+    [0.8181818181818182]
+    """
+    out = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        question = QUESTION.search(str(prompt[-1]["content"] if isinstance(prompt, list) else prompt))
+        calls = [] if isinstance(completion, str) else [c for m in completion for c in m.get("tool_calls") or []]
+        results = [] if isinstance(completion, str) else [m for m in completion if m.get("role") == "tool"]
+        if question is None or not calls:
+            out.append(0.0)
+            continue
+        arguments = calls[0].get("function", calls[0]).get("arguments") or {}
+        factors = "".join(question.groups())
+        given = "".join(str(arguments.get(k, "")) for k in ("a", "b"))
+        answers = [m for m in completion if m.get("role") == "assistant"]
+        result = str(results[0]["content"]) if results else ""
+        answer = str(answers[-1]["content"]).strip() if len(answers) > 1 else ""
+        right = _same_digits(factors, given) + _same_digits(result, answer)
+        out.append(right / (len(factors) + len(result)))
+    return out
+
+
+def _same_digits(reference: str, copy: str) -> int:
+    return sum(x == y for x, y in zip(reference, copy, strict=False))
 
 
 def generate_tool_prompt_rows(n: int, seed: int) -> list[dict]:

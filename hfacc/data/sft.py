@@ -231,8 +231,15 @@ class DataArguments:
         metadata={
             "help": "The embedded dataset (no dataset_name): 'instructions' (six text skills), 'shapes' "
             "(pictures of shapes with questions, for a vision-language model) or 'tools' (3-digit products, "
-            "half of them with a multiply tool call: the format hfacc grpo --embedded_dataset tools needs).",
+            "most with a multiply tool call: the format hfacc grpo --embedded_dataset tools needs).",
             "choices": list(EMBEDDED_DATASETS),
+        },
+    )
+    tool_direct_fraction: float = field(
+        default=0.3,
+        metadata={
+            "help": "embedded_dataset 'tools': the share of conversations that answer at once, without the tool "
+            "(the product itself, which a small model cannot compute); the others call multiply, copy its result."
         },
     )
     dataset_format: str = field(
@@ -294,6 +301,8 @@ class DataArguments:
             raise ValueError(f"max_examples={self.max_examples}: it must be >= 1 (or unset).")
         if self.packing and self.max_length is None:
             raise ValueError("packing=True needs max_length: it is the length of the packed rows.")
+        if not 0.0 <= self.tool_direct_fraction <= 1.0:
+            raise ValueError(f"tool_direct_fraction={self.tool_direct_fraction}: it is a share, in [0, 1].")
         if self.stream_buffer_size < 1:
             raise ValueError(f"stream_buffer_size={self.stream_buffer_size}: it must be >= 1.")
         if self.stream_eval_examples < 1:
@@ -326,6 +335,7 @@ def build_datasets(args: DataArguments, tokenizer, seed: int = 0):
         seed=seed,
         num_embedded=args.num_embedded_examples,
         embedded=args.embedded_dataset,
+        tool_direct_fraction=args.tool_direct_fraction,
     )
     options = args.sft_options()
     train = build_sft_dataset(raw_train, tokenizer, **options)
@@ -359,6 +369,7 @@ def example_rows(args: DataArguments, count: int, start: int = 0, seed: int = 0,
         num_embedded=rows,
         max_examples=rows,
         embedded=args.embedded_dataset,
+        tool_direct_fraction=args.tool_direct_fraction,
     )
     return raw.select(list(range(start, min(len(raw), start + count))))
 

@@ -42,12 +42,14 @@ def load_sft_source(
     num_embedded: int = 4000,
     embedded: str = "instructions",
     prompts: bool = False,
+    tool_direct_fraction: float = 0.3,
 ):
     """Load raw SFT data and return ``(train, eval)`` ``datasets.Dataset`` s.
 
     ``name_or_path`` is a local ``.json``/``.jsonl``/``.csv``/``.parquet`` file, a directory written by
     ``Dataset.save_to_disk``, a hub dataset name, or ``None`` for the embedded dataset (``embedded``: generated
-    ``"instructions"``, or ``"shapes"``, pictures with questions for a vision-language model). Without an
+    ``"instructions"``, or ``"shapes"``, pictures with questions for a vision-language model, or ``"tools"``, of which
+    ``tool_direct_fraction`` answer without the tool). Without an
     ``eval_split``, a seeded ``eval_fraction`` of the examples is held out; ``hold_out=False`` holds out none and
     keeps the rows in order (the eval dataset is empty). ``prompts``: rows of a ``prompt`` alone are accepted too
     (prompts to sample completions for: on-policy distillation).
@@ -55,7 +57,7 @@ def load_sft_source(
     import datasets
 
     if name_or_path is None:
-        data = datasets.Dataset.from_list(generate_embedded_rows(embedded, num_embedded, seed))
+        data = datasets.Dataset.from_list(generate_embedded_rows(embedded, num_embedded, seed, tool_direct_fraction))
         held_out = None
     else:
         path = Path(name_or_path)
@@ -249,9 +251,10 @@ def _csv_problem(path: Path) -> str | None:
 EMBEDDED_DATASETS = ("instructions", "shapes", "tools")
 
 
-def generate_embedded_rows(kind: str, n: int, seed: int) -> list[dict]:
+def generate_embedded_rows(kind: str, n: int, seed: int, tool_direct_fraction: float = 0.3) -> list[dict]:
     """The embedded dataset's rows: generated ``"instructions"`` (:mod:`hfacc.data.embedded`), ``"shapes"``
-    (:mod:`hfacc.data.embedded_vision`) or ``"tools"`` (tool-call conversations, :mod:`hfacc.data.embedded_tools`)."""
+    (:mod:`hfacc.data.embedded_vision`) or ``"tools"`` (tool-call conversations, :mod:`hfacc.data.embedded_tools`,
+    ``tool_direct_fraction`` of them answering without the tool)."""
     if kind == "shapes":
         from .embedded_vision import generate_shape_examples
 
@@ -259,7 +262,7 @@ def generate_embedded_rows(kind: str, n: int, seed: int) -> list[dict]:
     if kind == "tools":
         from .embedded_tools import generate_tool_examples
 
-        return generate_tool_examples(n, seed=seed)
+        return generate_tool_examples(n, seed=seed, direct_fraction=tool_direct_fraction)
     if kind != "instructions":
         raise DataError(f"embedded_dataset={kind!r}: use one of {list(EMBEDDED_DATASETS)}.")
     from .embedded import generate_instruction_examples
@@ -353,7 +356,7 @@ def load_stream_source(args, seed: int = 0):
         count, kind = args.num_embedded_examples, args.embedded_dataset
 
         def embedded_rows():
-            yield from generate_embedded_rows(kind, count, seed)
+            yield from generate_embedded_rows(kind, count, seed, args.tool_direct_fraction)
 
         source = datasets.IterableDataset.from_generator(embedded_rows)
     else:

@@ -57,6 +57,13 @@ class GRPOJobArguments:
     sft_num_examples: int | None = field(
         default=None, metadata={"help": "Embedded conversations the short SFT tokenizes (None: the SFT recipe's)."}
     )
+    sft_direct_fraction: float = field(
+        default=0.3,
+        metadata={
+            "help": "embedded_dataset 'tools': the share of the short SFT's conversations that answer at once, "
+            "without the tool (wrong: the model cannot multiply); the others call multiply and copy its result."
+        },
+    )
     dataset_name: str | None = field(
         default=None,
         metadata={
@@ -118,6 +125,8 @@ class GRPOJobArguments:
     def __post_init__(self):
         if self.sft_max_steps < 1:
             raise ValueError(f"sft_max_steps={self.sft_max_steps}: it must be >= 1.")
+        if not 0.0 <= self.sft_direct_fraction <= 1.0:
+            raise ValueError(f"sft_direct_fraction={self.sft_direct_fraction}: it is a share, in [0, 1].")
         if self.num_train_prompts < 1 or self.num_eval_prompts < 0:
             raise ValueError("num_train_prompts must be >= 1 and num_eval_prompts >= 0.")
         if self.tasks is not None and self.tasks != [AUTO_TASKS]:
@@ -258,7 +267,8 @@ def load_policy(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArg
             source = f"a short SFT of {job.sft_max_steps} steps (no {job.sft_output_dir})"
             if args.process_index == 0:
                 write(f"no SFT model at {job.sft_output_dir} (recipes/sft.py makes one): a short SFT first")
-            run_short_sft(sft_dir, job.sft_max_steps, args, job.sft_num_examples, model_args, job.embedded_dataset)
+            run_short_sft(sft_dir, job.sft_max_steps, args, job.sft_num_examples, model_args, job.embedded_dataset,
+                          job.sft_direct_fraction)  # fmt: skip
         model_args = dataclasses.replace(model_args, model_name_or_path=str(sft_dir))
     else:
         source = f"from {model_args.model_name_or_path}"
@@ -275,10 +285,12 @@ def run_short_sft(
     num_examples: int | None = None,
     model_args=None,
     embedded_dataset: str = "instructions",
+    direct_fraction: float = 0.3,
 ) -> None:
     """The SFT recipe's job, cut to ``steps`` optimizer steps (its cosine schedule included), saved to ``output_dir``;
     the embedded model sized by ``model_args`` (``--embedded_hidden_size``, ``--embedded_num_layers``), trained on
-    the ``embedded_dataset`` (the tool task: its tool-call conversations, at the learning rate the GRPO job gives)."""
+    the ``embedded_dataset`` (the tool task: its tool-call conversations, ``direct_fraction`` of them answering without
+    the tool, at the learning rate the GRPO job gives)."""
     from .sft import DEFAULT_CONFIG as SFT_CONFIG
     from .sft import SFT_ARGUMENTS
     from .sft import main as sft_main
@@ -293,6 +305,7 @@ def run_short_sft(
         argv += ["--num_embedded_examples", str(num_examples)]
     if embedded_dataset != "instructions":
         argv += ["--embedded_dataset", embedded_dataset, "--learning_rate", str(TOOL_SFT_LEARNING_RATE)]
+        argv += ["--tool_direct_fraction", str(direct_fraction)]
     if model_args is not None:
         argv += ["--embedded_hidden_size", str(model_args.embedded_hidden_size)]
         argv += ["--embedded_num_layers", str(model_args.embedded_num_layers)]

@@ -88,6 +88,7 @@ DATA_SETTINGS = (
     "max_examples",
     "num_embedded_examples",
     "embedded_dataset",
+    "tool_direct_fraction",
     "num_embedded_prompts",
     "num_rejected_samples",
     "rejected_temperature",
@@ -104,6 +105,7 @@ DATA_SETTINGS = (
 EMBEDDED_SETTINGS = (
     "num_embedded_examples",
     "embedded_dataset",
+    "tool_direct_fraction",
     "num_embedded_prompts",
     "num_rejected_samples",
     "rejected_temperature",
