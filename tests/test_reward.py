@@ -217,6 +217,25 @@ def test_shared_prompts_without_their_mask_are_not_it(model, pairs):
     assert relative_error(got, want) > 1e-3
 
 
+def test_shared_prompts_score_pairs_that_part_late_or_never(model):
+    """Pairs whose answers part at their last token, whose chosen sequence is a prefix of the rejected one (its score
+    read inside the shared part), or that are the same sequence twice, ending in EOS = pad or not: each sequence is
+    scored as its own forward scores it."""
+    pairs = [
+        {"chosen_input_ids": [5, 6, 7, 8], "rejected_input_ids": [5, 6, 7, 9]},
+        {"chosen_input_ids": [5, 6], "rejected_input_ids": [5, 6, 7, 8, 9]},
+        {"chosen_input_ids": [4, 3, 2], "rejected_input_ids": [4, 3, 2]},
+        {"chosen_input_ids": [9, 8, 0], "rejected_input_ids": [9, 8, 7, 0, 0]},  # 0: EOS = pad
+    ]
+    pairs = [{**p, "chosen_labels": p["chosen_input_ids"], "rejected_labels": p["rejected_input_ids"]} for p in pairs]
+    batch = COLLATE(pairs)
+    with torch.no_grad():
+        own = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        for wide in (0, 10**9):
+            laid = share_prompts(batch, pad_token_id=0, attention_width=wide)
+            assert relative_error(get_sequence_scores(model, laid)[1], own) <= 1e-6, wide
+
+
 def ignoring(model, what):
     """``model`` (a copy) whose backbone drops what the shared-prompt layout needs: its 4-D mask ("mask": each row is
     then one causal sequence, as a kernel that reads a mask as padding only computes it) or its ``position_ids``

@@ -8,7 +8,9 @@ makes the backward NaN (Gemma3n), attention that reads the row index instead of 
 tokens), image features given to the wrong sequence. So :func:`choose_padding_free` decides once per model, by
 running it (:func:`check_padding_free`, :func:`check_row_offsets`, with images :func:`check_image_layout`), which
 layout is exact, and falls back to the padded batch, said at WARNING, when none is; :func:`require_packing_support`
-refuses packed data a model cannot keep apart (:func:`check_packing`). Every bound is :func:`get_tolerance`'s.
+refuses packed data a model cannot keep apart (:func:`check_packing`); :func:`choose_shared_prompts` decides whether
+the pairs of a reward model share their prompt's forward (:func:`check_shared_prompts`: each sequence against its own
+forward, leaks between answers and pairs). Every bound is :func:`get_tolerance`'s.
 
 The checks judge semantics, not rounding. Where the weights are fp32 they run in fp32 with autocast off, whatever
 precision training computes in (:func:`hfacc.ops.precision.get_check_precision`): a bf16 run's rounding differs between
