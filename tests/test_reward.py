@@ -236,6 +236,55 @@ def test_shared_prompts_score_pairs_that_part_late_or_never(model):
             assert relative_error(get_sequence_scores(model, laid)[1], own) <= 1e-6, wide
 
 
+def random_pair(prompt, chosen, rejected, seed, vocab=64):
+    """A pair of a random prompt and two random answers of these lengths (token ids 1..vocab-1: never the pad id)."""
+    g = torch.Generator().manual_seed(seed)
+    p, c, r = (torch.randint(1, vocab, (n,), generator=g).tolist() for n in (prompt, chosen, rejected))
+    return {"chosen_input_ids": p + c, "rejected_input_ids": p + r, "chosen_labels": p + c, "rejected_labels": p + r}
+
+
+def own_scores(model, pairs):
+    """Each sequence's score from its own forward, unpadded (chosen ones first)."""
+    sequences = [p["chosen_input_ids"] for p in pairs] + [p["rejected_input_ids"] for p in pairs]
+    with torch.no_grad():
+        return torch.stack([model(input_ids=torch.tensor([s])).logits[0, 0] for s in sequences])
+
+
+def tiny_decoder(config_class, model_class, **settings):
+    """A one-layer reward model of another family (num_labels=1, pad id 0), seeded, scores of order 1."""
+    config = config_class(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0, **settings)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = model_class(config)
+        torch.nn.init.normal_(model.score.weight, std=0.5)
+    return model
+
+
+def test_a_sliding_window_cuts_each_sequence_as_its_own_forward(pairs):
+    """Mistral, Gemma 2/3, Qwen2 and Phi-3 attend over a sliding window, which transformers does not lay over a 4-D
+    mask it is given: the check's sequences (20 tokens) fit in the window and pass, longer ones would be scored over
+    keys the window cuts in their own forward. A micro-batch with a sequence longer than the window keeps each
+    sequence on its own (as training lays it out: packed rows), one no longer than it shares its prompts; both score
+    every sequence as its own forward."""
+    from accelerate import Accelerator
+    from transformers import MistralConfig, MistralForSequenceClassification
+
+    model = tiny_decoder(MistralConfig, MistralForSequenceClassification, sliding_window=24)
+    setup = build_model_setup(
+        model, COLLATE(pairs[:2]), Accelerator(cpu=True), objective=RewardObjective(), longest_sequence=40
+    )
+    assert setup.shared_prompts is not None  # the check's sequences fit in the window
+    for sizes, shared in (((10, 14, 14), True), ((10, 30, 20), False)):
+        examples = [random_pair(*sizes, seed=seed) for seed in range(2)]
+        batch = COLLATE(examples)
+        laid = setup.shared_prompts.lay_out(batch)
+        assert (laid is not None) is shared, sizes
+        laid = laid or remove_padding(batch, setup.one_row, setup.max_row_length)
+        with torch.no_grad():
+            assert relative_error(get_sequence_scores(model, laid)[1], own_scores(model, examples)) <= 1e-6, sizes
+
+
 def ignoring(model, what):
     """``model`` (a copy) whose backbone drops what the shared-prompt layout needs: its 4-D mask ("mask": each row is
     then one causal sequence, as a kernel that reads a mask as padding only computes it) or its ``position_ids``

@@ -38,6 +38,7 @@ def share_prompts(
     max_row_length: int = 0,
     keep: Collection[str] = (),
     attention_width: int = 0,
+    max_sequence_length: int = 0,
 ) -> dict[str, Any] | None:
     """``batch``'s pairs with each prompt once (the module doc); None when the batch cannot be laid out so.
 
@@ -55,6 +56,10 @@ def share_prompts(
             (:func:`get_attention_width`); the rows' width is then the one of the least estimated cost,
             ``rows * W * (1 + W / attention_width)``: wider rows hold more units and less filler, but attend over
             more keys. 0: rows as wide as the longest unit.
+        max_sequence_length: the longest sequence the layout computes as its own forward (0: no bound): the model's
+            sliding window or attention chunk (:func:`get_attention_window`), which transformers does not lay over a
+            4-D mask it is given; a sequence no longer than the window is not cut by it. A longer one makes the batch
+            None.
 
     The result has ``input_ids`` and ``position_ids`` ``[rows, W]``, ``attention_mask`` ``[rows, 1, W, W]``,
     ``num_sequences`` (2B), ``score_index`` ``[2B]`` (the flat index into ``[rows * W]`` of the position each sequence
@@ -91,6 +96,8 @@ def share_prompts(
     stats = torch.stack([real.sum(-1), starts.sum(-1), starts.long().argmax(-1)]).tolist()
     if any(runs != 1 for runs in stats[1]):
         return None  # an empty row, or holes in the mask
+    if max_sequence_length and max(stats[0]) > max_sequence_length:
+        return None  # the window would cut it padded, and cannot cut it under the layout's mask
     tokens = ids.tolist()
     sequences = [(f, tokens[r][f : f + n]) for r, (n, f) in enumerate(zip(stats[0], stats[2], strict=True))]
     pairs = rows // 2
@@ -178,6 +185,23 @@ def _cheapest_rows(units, width, rows, attention_width, max_row_length, candidat
     return best[1], best[2]
 
 
+def get_attention_window(config) -> int:
+    """The longest sequence a model attends over whole, from its (text) config: its sliding window
+    (``sliding_window``: Mistral, Qwen2, Gemma 2/3, Phi-3, ...), attention chunk (``attention_chunk_size``: Llama 4)
+    or local window (``window_size``: GPT-Neo), the smallest set; 0 where none is. transformers takes a 4-D mask as
+    given, so under the shared-prompt layout's mask no window cuts a sequence, while padded it cuts one longer than
+    the window (a key ``window`` or more positions back).
+
+    >>> from transformers import MistralConfig
+    >>> get_attention_window(MistralConfig(sliding_window=4096)), get_attention_window(MistralConfig(sliding_window=None))
+    (4096, 0)
+    """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    windows = [getattr(config, key, None) for key in ("sliding_window", "attention_chunk_size", "window_size")]
+    windows = [w for w in windows if isinstance(w, int) and not isinstance(w, bool) and w > 0]
+    return min(windows, default=0)
+
+
 def get_attention_width(config) -> int:
     """The row width at which one position's attention (its scores and weighted sum over W keys: ``2 * W * heads *
     head_dim`` multiply-adds per layer) costs as many multiply-adds as its projections and MLP, from a decoder's
@@ -200,4 +224,4 @@ def get_attention_width(config) -> int:
     return (projections + mlp) // (2 * heads * head_dim)
 
 
-__all__ = ["LAYOUT_INDEX", "SCORE_INDEX", "get_attention_width", "share_prompts"]
+__all__ = ["LAYOUT_INDEX", "SCORE_INDEX", "get_attention_width", "get_attention_window", "share_prompts"]

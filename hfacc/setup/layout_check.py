@@ -34,7 +34,7 @@ from torch import nn
 
 from ..data.multimodal import get_image_inputs, takes_images, unpack_rows, with_packed_positions
 from ..data.padding_free import remove_padding
-from ..data.shared_prompts import get_attention_width, share_prompts
+from ..data.shared_prompts import get_attention_width, get_attention_window, share_prompts
 from ..objectives import Objective
 from ..ops.fused_loss import fused_loss_problem, swap_output_head
 from ..ops.loss import IGNORE_INDEX, get_sequence_starts, shift_labels
@@ -641,17 +641,25 @@ def check_image_layout(
 # ---- the shared-prompt layout of preference pairs (hfacc.data.shared_prompts) ----------------------------------
 class SharedPromptsChoice(NamedTuple):
     """What :func:`choose_shared_prompts` decided for a model whose pairs share their prompt's forward: how the mask
-    is written for its attention, where a sequence is scored, the longest row verified and the rows' cost model."""
+    is written for its attention, where a sequence is scored, the longest row verified, the rows' cost model and the
+    longest sequence its attention takes whole (its sliding window; 0: any)."""
 
     mask_dtype: torch.dtype | None  # None: boolean (sdpa); else additive (eager)
     pad_token_id: int | None
     max_row_length: int
     attention_width: int
+    max_sequence_length: int = 0
 
     def lay_out(self, batch: Mapping[str, Any], keep=()) -> dict[str, Any] | None:
         """``batch`` in the shared-prompt layout (:func:`hfacc.data.shared_prompts.share_prompts`), or None."""
         return share_prompts(
-            batch, self.pad_token_id, self.mask_dtype, self.max_row_length, keep, self.attention_width
+            batch,
+            self.pad_token_id,
+            self.mask_dtype,
+            self.max_row_length,
+            keep,
+            self.attention_width,
+            self.max_sequence_length,
         )
 
 
@@ -843,11 +851,17 @@ def choose_shared_prompts(
             problem,
         )
         return None
-    choice = SharedPromptsChoice(mask_dtype, pad_token_id, length, get_attention_width(getattr(base, "config", None)))
+    config = getattr(base, "config", None)
+    window = get_attention_window(config)
+    choice = SharedPromptsChoice(mask_dtype, pad_token_id, length, get_attention_width(config), window)
     logger.warning(
         "hfacc: shared-prompt pairs: each pair's prompt computed once, both answers after it under a 4-D mask, rows "
-        "of up to %d tokens (checked: every sequence's values, scores and gradient match its own forward, and "
+        "of up to %d tokens%s (checked: every sequence's values, scores and gradient match its own forward, and "
         "nothing leaks between answers or pairs). Set shared_prompts=False to lay each sequence out on its own.",
         length,
+        f"; a micro-batch with a sequence longer than the model's attention window ({window}) keeps each sequence on "
+        "its own (the window is not laid over a 4-D mask)"
+        if window
+        else "",
     )
     return choice
