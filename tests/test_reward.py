@@ -285,6 +285,22 @@ def test_a_sliding_window_cuts_each_sequence_as_its_own_forward(pairs):
             assert relative_error(get_sequence_scores(model, laid)[1], own_scores(model, examples)) <= 1e-6, sizes
 
 
+def test_a_long_filler_leaves_a_rotary_scaling_by_the_largest_position_alone():
+    """Phi-3's longrope (and dynamic rotary scaling) picks its frequencies by the batch's largest position: a row's
+    filler (rows wider than the longest sequence: one unit of 40 tokens, three of 4) must not raise it past every
+    sequence's, or all of them are scored at the other frequencies."""
+    from transformers import Phi3Config, Phi3ForSequenceClassification
+
+    rope = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 4, "long_factor": [4.0] * 4}
+    model = tiny_decoder(Phi3Config, Phi3ForSequenceClassification, max_position_embeddings=256,
+                         original_max_position_embeddings=24, rope_parameters=rope)  # fmt: skip
+    examples = [random_pair(4, 18, 18, seed=0)] + [random_pair(2, 1, 1, seed=seed) for seed in (1, 2, 3)]
+    laid = share_prompts(COLLATE(examples), pad_token_id=0)
+    assert laid["input_ids"].shape == (2, 40)  # a filler of 28 beside the three short units
+    with torch.no_grad():
+        assert relative_error(get_sequence_scores(model, laid)[1], own_scores(model, examples)) <= 1e-6
+
+
 def ignoring(model, what):
     """``model`` (a copy) whose backbone drops what the shared-prompt layout needs: its 4-D mask ("mask": each row is
     then one causal sequence, as a kernel that reads a mask as padding only computes it) or its ``position_ids``

@@ -8,8 +8,8 @@ attention mask lets each answer attend to the prompt and to itself (causally), n
 ``position_ids`` restart after the prompt (``p, p + 1, ...`` for both answers), so every token of each sequence sees
 exactly the context and positions it has in its own forward. Units are packed best-fit decreasing into rows as wide
 as the longest unit, as :func:`hfacc.data.padding_free.remove_padding` packs sequences (the rest of a row is a
-filler unit of its own, which nothing else attends to). On the benchmark of benchmarks/README.md the prompts are a
-quarter of the tokens.
+filler unit of its own, at position 0, which nothing else attends to). On the benchmark of benchmarks/README.md the
+prompts are a quarter of the tokens.
 
 The mask is the model's to honour: transformers (5.x) takes a 4-D mask as given for sdpa (boolean, True: attend) and
 eager attention (additive: 0 or the dtype's lowest value); variable-length kernels (flash attention) and flex
@@ -145,7 +145,9 @@ def share_prompts(
         fill = row_width - (len(flat_ids) - start)
         spans.append((row, row_width - fill, row_width, row_width, row_width))
         flat_ids += [filler_token] * fill
-        flat_positions += list(range(fill))
+        # Position 0 throughout: a filler wider than the longest sequence (rows by cost) counting on would raise the
+        # batch's largest position, which rotary embeddings that scale by it (longrope: Phi-3; dynamic) read.
+        flat_positions += [0] * fill
     device = ids.device
     shape = (len(laid_rows), row_width)
     # Query q attends key k: the same unit, k not after q, and k in the prompt or in q's own answer. Written unit by
