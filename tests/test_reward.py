@@ -301,6 +301,33 @@ def test_a_long_filler_leaves_a_rotary_scaling_by_the_largest_position_alone():
         assert relative_error(get_sequence_scores(model, laid)[1], own_scores(model, examples)) <= 1e-6
 
 
+def test_a_model_that_scores_through_another_head_is_refused_not_misread(model, pairs):
+    """A reward model whose forward scores through a head of its own (here the last position's hidden state, a
+    value head) beside an unused ``score``: the layout check runs ``score`` and passes, but training's forward never
+    calls it. Laid out, its one pooled value per row must be refused, not read as the sequences' scores (4 rows held
+    4 pairs: an even count, so nothing else stopped it)."""
+    from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+    class ValueHead(type(model)):
+        def __init__(self, config):
+            super().__init__(config)
+            self.v_head = torch.nn.Linear(config.hidden_size, 1)
+
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, **kwargs):
+            hidden = self.model(input_ids, attention_mask, position_ids, **kwargs).last_hidden_state
+            return SequenceClassifierOutputWithPast(logits=self.v_head(hidden[:, -1]))
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        valued = ValueHead(model.config)
+    batch = COLLATE(pairs[:4])
+    assert check_shared_prompts(PerPositionScores(valued), batch, None, 0) is None
+    laid = share_prompts(batch, pad_token_id=0)
+    assert laid["input_ids"].shape[0] % 2 == 0
+    with pytest.raises(ValueError, match="no score per position"):
+        get_sequence_scores(valued, laid)
+
+
 def ignoring(model, what):
     """``model`` (a copy) whose backbone drops what the shared-prompt layout needs: its 4-D mask ("mask": each row is
     then one causal sequence, as a kernel that reads a mask as padding only computes it) or its ``position_ids``

@@ -121,10 +121,13 @@ def get_sequence_scores(
         if index is None:
             index = get_last_token_index(batch, shape, get_pad_token_id(model))
         return outputs, per_position.flatten()[index]
-    if batch.get("sequence_ids") is not None:
+    if batch.get("sequence_ids") is not None or batch.get("score_index") is not None:
+        # Several sequences per row (packed, or pairs sharing their prompt): the model's own pooling gives one value
+        # per row, which would be read as the sequences' scores (the check ran the `score` head, not this forward).
         raise ValueError(
-            f"{type(get_base_model(model)).__name__} gives no score per position (no per-position 'score' head), so "
-            "the sequences of a padding-free row cannot be scored apart: train it padded (padding_free=False)."
+            f"{type(get_base_model(model)).__name__} gives no score per position (no per-position 'score' head, or "
+            "its forward scores through another one), so the sequences of a padding-free row cannot be scored apart: "
+            "train it padded (padding_free=False)."
         )
     return outputs, get_logits(outputs)[:, 0].float()
 
