@@ -367,6 +367,14 @@ def test_the_shared_prompt_check_sees_what_it_guards_against(model, pairs):
     flex = copy.deepcopy(model)
     flex.config._attn_implementation = "flash_attention_2"
     assert "takes no 4-D mask" in shared_prompts_problem(flex, RewardObjective())
+    assert shared_prompts_problem(model, RewardObjective()) is None
+    # Dropout: a shared prompt would get one draw for both answers (an nn.Dropout, or attention dropout in config).
+    dropped = copy.deepcopy(model)
+    dropped.config.attention_dropout = 0.1
+    assert "config.attention_dropout=0.1" in shared_prompts_problem(dropped, RewardObjective())
+    dropped.config.attention_dropout = 0.0
+    dropped.score = torch.nn.Sequential(torch.nn.Dropout(0.2), dropped.score)
+    assert "one dropout draw for both answers" in shared_prompts_problem(dropped, RewardObjective())
     setup = build_model_setup(model, batch, Accelerator(cpu=True), objective=RewardObjective(), shared_prompts=False)
     assert setup.padding_free and setup.shared_prompts is None
 

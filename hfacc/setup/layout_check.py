@@ -678,7 +678,27 @@ def shared_prompts_problem(model: nn.Module, objective: Objective, args=None) ->
         return f"its attention ({implementation!r}) takes no 4-D mask (sdpa and eager do)"
     if getattr(args, "neftune_noise_alpha", None):
         return "NEFTune draws its noise per padded token, so the two copies of a prompt get different noise"
+    dropout = get_dropout_settings(base)
+    if dropout:
+        # Two forwards draw two dropout masks over the prompt; one shared forward draws one for both answers: the
+        # chosen-minus-rejected margin then sees correlated noise, another estimate than the separate forwards'.
+        return (
+            f"it trains with dropout ({', '.join(dropout[:3])}): a shared prompt would get one dropout draw for "
+            "both answers where their own forwards draw two (set the model's dropout to 0, as TRL's RewardConfig "
+            "does with disable_dropout=True, to share prompts)"
+        )
     return position_ids_problem(base)
+
+
+def get_dropout_settings(model: nn.Module) -> list[str]:
+    """The dropouts ``model`` would apply in training: dropout modules with ``p > 0`` (whatever the current mode) and
+    config entries named ``*dropout*`` above 0 (attention dropout is a functional call, with no module)."""
+    found = [f"{n or 'model'}.p={m.p}" for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    config = getattr(model, "config", None)
+    for key, value in (config.to_dict() if config is not None else {}).items():
+        if "dropout" in key and isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            found.append(f"config.{key}={value}")
+    return found
 
 
 def _check_pairs(batch: Mapping[str, Any], vocab: int) -> dict[str, torch.Tensor]:
