@@ -735,6 +735,34 @@ def test_the_demo_trains_and_is_evaluated_on_the_ids_its_sft_taught():
         assert copied_digits([prompt], [trained.messages]) == [float(len(row["messages"]) == 4)]
 
 
+def test_the_shipped_demo_config_gives_its_short_sft_the_direct_answers(monkeypatch, tmp_path):
+    """recipes/configs/tiny_grpo_tools.yaml parses; its rewards resolve; its short SFT trains on conversations of
+    which ``sft_direct_fraction`` answer at once (an estimate, wrong), the rest call the tool."""
+    import hfacc.jobs.sft
+    from hfacc.data.sources import generate_embedded_rows
+    from hfacc.generation.rewards import get_reward_funcs
+    from hfacc.jobs.grpo import GRPO_ARGUMENTS, run_short_sft
+    from hfacc.runtime.config import ConfigError, parse_args
+
+    job, model_args, args = parse_args(GRPO_ARGUMENTS, ["--config", "recipes/configs/tiny_grpo_tools.yaml"])
+    assert job.tool_task and 0.5 < job.sft_direct_fraction < 1  # the SFT model answers at once, greedily
+    assert len(get_reward_funcs(job.reward_funcs)) == len(args.reward_weights)
+    seen = {}
+    monkeypatch.setattr(hfacc.jobs.sft, "main", lambda *parsed: seen.setdefault("data", parsed[2]))
+    run_short_sft(tmp_path, 2, args, 64, model_args, job.embedded_dataset, job.sft_direct_fraction)
+    data = seen["data"]
+    assert data.embedded_dataset == "tools" and data.tool_direct_fraction == job.sft_direct_fraction
+    rows = generate_embedded_rows("tools", 400, 0, data.tool_direct_fraction)
+    direct = [r["messages"][-1]["content"] for r in rows if len(r["messages"]) == 2]
+    assert abs(len(direct) / len(rows) - job.sft_direct_fraction) < 0.08 and all(
+        d.startswith("About ") for d in direct
+    )
+    with pytest.raises(ConfigError, match="sft_direct_fraction=1.5"):
+        parse_args(
+            GRPO_ARGUMENTS, ["--config", "recipes/configs/tiny_grpo_tools.yaml", "--sft_direct_fraction", "1.5"]
+        )
+
+
 @pytest.mark.slow
 def test_hfacc_grpo_with_a_tool_reports_the_tool_rates(tmp_path, capsys):
     """recipes/configs/tiny_grpo_tools.yaml shortened, the tool named on the command line (``--tools``): a short SFT

@@ -7,9 +7,10 @@ GRPO with the :func:`multiply` tool on the prompts of :func:`generate_tool_promp
 question into the call, the tool's result into the answer) is the same number of tokens back in each, which a
 two-layer model learns in a few hundred steps.
 
-Part of the SFT conversations (``direct_fraction``) answer directly, without the tool, as a model would that was not
-taught when to use one: the SFT model then calls the tool on only part of the questions, and answers the others
-wrong (it cannot multiply). GRPO's correctness reward is what teaches it to call the tool.
+Part of the SFT conversations (``direct_fraction``) answer directly, without the tool, with an estimate ("About
+460000"), as a model would that cannot multiply: the SFT model then calls the tool on only part of its samples, and
+above one half its greedy answer is the estimate (exact match 0). GRPO's correctness reward is what teaches it to call
+the tool (docs/tools_and_environments.md, "The demo, measured").
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def _question(rng: random.Random) -> tuple[list[dict], int, int]:
 
 def generate_tool_examples(n: int = 4000, seed: int = 0, direct_fraction: float = 0.3) -> list[dict]:
     """``n`` SFT rows ``{"messages", "tools", "task"}``: a question, the assistant's ``multiply`` call, the tool's
-    result and the answer; ``direct_fraction`` of them answer at once instead (no call). The same for the same seed.
+    result and the answer; ``direct_fraction`` of them answer at once instead, with the product rounded to ten
+    thousands ("About 460000": an estimate, never an exact match). The same for the same seed.
 
     >>> generate_tool_examples(1, seed=1, direct_fraction=0.0)[0]["messages"][1]["tool_calls"][0]["function"]
     {'name': 'multiply', 'arguments': {'a': 537, 'b': 982}}
