@@ -737,7 +737,7 @@ def test_the_demo_trains_and_is_evaluated_on_the_ids_its_sft_taught():
 
 def test_the_shipped_demo_config_gives_its_short_sft_the_direct_answers(monkeypatch, tmp_path):
     """recipes/configs/tiny_grpo_tools.yaml parses; its rewards resolve; its short SFT trains on conversations of
-    which ``sft_direct_fraction`` answer at once (an estimate, wrong), the rest call the tool."""
+    which ``sft_direct_fraction`` answer at once (an estimate, wrong), the rest call the tool, 16 rows a micro-batch."""
     import hfacc.jobs.sft
     from hfacc.data.sources import generate_embedded_rows
     from hfacc.generation.rewards import get_reward_funcs
@@ -748,10 +748,12 @@ def test_the_shipped_demo_config_gives_its_short_sft_the_direct_answers(monkeypa
     assert job.tool_task and 0.5 < job.sft_direct_fraction < 1  # the SFT model answers at once, greedily
     assert len(get_reward_funcs(job.reward_funcs)) == len(args.reward_weights)
     seen = {}
-    monkeypatch.setattr(hfacc.jobs.sft, "main", lambda *parsed: seen.setdefault("data", parsed[2]))
+    monkeypatch.setattr(hfacc.jobs.sft, "main", lambda *parsed: seen.setdefault("parsed", parsed))
     run_short_sft(tmp_path, 2, args, 64, model_args, job.embedded_dataset, job.sft_direct_fraction)
-    data = seen["data"]
+    _, _, data, sft_args = seen["parsed"]
     assert data.embedded_dataset == "tools" and data.tool_direct_fraction == job.sft_direct_fraction
+    # the SFT recipe's 16 rows a step in one micro-batch (the same update as its 8 x 2)
+    assert (sft_args.per_device_train_batch_size, sft_args.gradient_accumulation_steps) == (16, 1)
     rows = generate_embedded_rows("tools", 400, 0, data.tool_direct_fraction)
     direct = [r["messages"][-1]["content"] for r in rows if len(r["messages"]) == 2]
     assert abs(len(direct) / len(rows) - job.sft_direct_fraction) < 0.08 and all(
