@@ -301,6 +301,54 @@ def test_a_teacher_server_the_trainer_cannot_use_is_one_named_line(distill_setti
         ServedTeacher("http://127.0.0.1:9", tokenizer, top_k=4, timeout=1)
 
 
+SERVED_RUN = [
+    "--use_teacher_server", "true", "--loss_top_k", str(TOP_K), "--lmbda", "1", "--max_steps", "2",
+    "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2", "--max_completion_length", "8",
+    "--num_exact_match_examples", "2", "--max_new_tokens", "4", "--report_to", "none", "--save_strategy", "no",
+    "--disable_tqdm", "true", "--torch_threads", "1", "--seed", "1",
+]  # fmt: skip
+
+
+def test_hfacc_distill_trains_on_the_served_teacher_without_one_of_its_own(
+    distill_setting, tmp_path, monkeypatch, capsys
+):
+    """`hfacc distill --use_teacher_server true`: no teacher is loaded or trained here (no SFT of one either), each
+    step's rows carry the server's top-K, and the summary names the server; beside a teacher of its own, a
+    precomputation or lmbda 0, one named line (exit 2)."""
+    import json
+
+    from hfacc import DistillationTrainer
+    from hfacc.cli import main as cli_main
+    from hfacc.jobs import distill as job
+
+    _, _, _, server = distill_setting
+    rows, make = [], DistillationTrainer.generate_micro_batches
+
+    def recording(self, indices, generation=0):
+        batches = make(self, indices, generation)
+        rows.extend(dict(r) for r in self.last_rows)
+        return batches
+
+    monkeypatch.setattr(DistillationTrainer, "generate_micro_batches", recording)
+    monkeypatch.setattr(job, "load_teacher", lambda *a, **k: pytest.fail("a served teacher loads no teacher here"))
+    out = tmp_path / "out"
+    served = ["distill", "--teacher_model_server_url", server.url, "--output_dir", str(out), *SERVED_RUN]
+    assert cli_main(served) == 0
+    assert len(rows) == 8 and all(len(r["target_logprobs"]) == len(r["input_ids"]) for r in rows)
+    assert server.completion_requests >= 8  # the student's samples were scored by the server
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["teacher"] == f"served at {server.url} (top-{TOP_K})" and metrics["steps"] == 2
+    assert "exact_match_before" in metrics and "exact_match_teacher" not in metrics
+    for extra, said in [
+        (["--teacher_model_name_or_path", "my-teacher"], "the teacher is the one on teacher_model_server_url"),
+        (["--precompute_teacher_logprobs", "true", "--lmbda", "0"], "precomputing needs the teacher here"),
+        (["--lmbda", "0"], "Set --lmbda above 0"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            cli_main([*served, *extra])
+        assert stop.value.code == 2 and said in capsys.readouterr().err, extra
+
+
 def test_the_served_teacher_s_settings_refuse_what_cannot_work(distill_setting):
     from hfacc import DistillationArguments, DistillationTrainer
 

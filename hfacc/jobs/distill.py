@@ -7,6 +7,8 @@
     hfacc distill --lmbda 0.5 --max_completion_length 32    # on-policy: half the micro-batches the student samples
     hfacc distill --teacher_model_name_or_path my-teacher --model_name_or_path my-student --dataset_name prompts.jsonl \
         --lmbda 1                                            # on-policy from your prompts (or SFT rows' prompts)
+    hfacc distill --use_teacher_server true --teacher_model_server_url http://127.0.0.1:8001 --loss_top_k 20 \
+        --lmbda 1                                            # the teacher on a vLLM server (hfacc vllm-serve)
 
 With neither --config nor --model_name_or_path, recipes/configs/distill_tiny_default.yaml supplies the defaults. The
 teacher is the SFT recipe's output (outputs/sft-tiny, written by `hfacc sft`) when it is there, else a short SFT of a
@@ -123,7 +125,11 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
             f"teacher_top_k={job.teacher_top_k} exceeds the vocabulary ({len(tokenizer)} tokens): a row cannot store "
             f"more log-probs than there are tokens. Set --teacher_top_k {len(tokenizer)} or lower."
         )
-    teacher, teacher_source = load_teacher(job, model_args, data_args, args, tokenizer)
+    if args.use_teacher_server:  # the teacher is on its vLLM server: nothing to load or train here
+        check_served_teacher_settings(job, args)
+        teacher, teacher_source = None, f"served at {args.teacher_model_server_url} (top-{args.loss_top_k})"
+    else:
+        teacher, teacher_source = load_teacher(job, model_args, data_args, args, tokenizer)
     with args.main_process_first(desc="dataset tokenization"):
         if args.lmbda > 0:  # prompts (and the dataset's completions for the share 1 - lmbda), tokenized as sampled
             raw_train, raw_eval = load_sft_source(
@@ -147,7 +153,9 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
     main_process = args.process_index == 0
     held_out = list(raw_eval.select(range(min(job.num_exact_match_examples, len(raw_eval)))))
     held_out = [row for row in held_out if isinstance(row.get("messages"), list)]  # chat rows: a last answer to match
-    teacher_exact = exact_match(teacher, tokenizer, held_out, job, "of the teacher") if main_process else None
+    teacher_exact = None
+    if main_process and teacher is not None:  # a served teacher answers no prompts of ours
+        teacher_exact = exact_match(teacher, tokenizer, held_out, job, "of the teacher")
     before = exact_match(student, tokenizer, held_out, job, "of the student before") if main_process else None
     data = get_data_settings(data_args)  # part of the run's identity in its checkpoints
     if args.lmbda > 0:
@@ -166,12 +174,16 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
     use_console(trainer)
     if trainer.is_world_process_zero():
         size = lambda m: sum(p.numel() for p in m.parameters()) / 1e6  # noqa: E731
-        write(f"teacher {type(teacher).__name__}, {size(teacher):.1f}M parameters, {teacher_source}")
+        if teacher is None:
+            write(f"teacher {teacher_source}")
+        else:
+            write(f"teacher {type(teacher).__name__}, {size(teacher):.1f}M parameters, {teacher_source}")
         write(f"student {type(student).__name__}, {size(student):.1f}M parameters")
         write(describe_run(student, args))
         rows = "prompts" if args.lmbda > 0 else "examples"
         write(f"data    {len(train_ds):,} training {rows} / {len(eval_ds):,} held-out rows")
         where = f"stored top-{job.teacher_top_k}" if job.precompute_teacher_logprobs else "the teacher model"
+        where = f"the served teacher's top-{args.loss_top_k}" if args.use_teacher_server else where
         on_policy = f", lmbda {args.lmbda} (on-policy)" if args.lmbda > 0 else ""
         write(
             f"loss    beta {args.beta}, temperature {args.temperature}, ce_weight {args.ce_weight}, from {where}"
@@ -193,6 +205,7 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
     if trainer.is_world_process_zero():
         if teacher_exact is not None:
             metrics["exact_match_teacher"] = teacher_exact[0]
+        if before is not None:
             metrics["exact_match_before"], metrics["exact_match_after"] = before[0], after[0]
             metrics["exact_match_by_task_after"], metrics["samples"] = after[2], after[1]
         metrics["wall_time_s"] = round(time.perf_counter() - start, 1)
@@ -203,6 +216,26 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
         )  # fmt: skip
         write(format_summary(metrics, args.output_dir))
     return metrics
+
+
+def check_served_teacher_settings(job: DistillJobArguments, args: DistillationArguments) -> None:
+    """A served teacher (``--use_teacher_server``) with a setting that would bring a teacher of its own: one line."""
+    if job.teacher_model_name_or_path is not None:
+        raise ConfigError(
+            f"--use_teacher_server true and --teacher_model_name_or_path {job.teacher_model_name_or_path}: the teacher "
+            "is the one on teacher_model_server_url. Drop one of the two."
+        )
+    if job.precompute_teacher_logprobs:
+        raise ConfigError(
+            "--use_teacher_server true and --precompute_teacher_logprobs true: the served teacher scores each step's "
+            "rows as they are made; precomputing needs the teacher here (--teacher_model_name_or_path)."
+        )
+    if args.lmbda <= 0:
+        raise ConfigError(
+            f"--use_teacher_server true with --lmbda {args.lmbda}: the served teacher scores the rows of on-policy "
+            "distillation (DistillationTrainer). Set --lmbda above 0, or run the teacher here "
+            "(--teacher_model_name_or_path) for distillation on the dataset's completions alone."
+        )
 
 
 def load_teacher(
@@ -343,8 +376,9 @@ def format_summary(metrics: dict, output_dir: str) -> str:
     if metrics.get("final_divergence") is not None:
         lines.append(f"divergence           {metrics['final_divergence']:.3f} per student token (last logged)")
     if "exact_match_after" in metrics:
+        teacher = metrics.get("exact_match_teacher")  # none for a served teacher
         lines.append(
-            f"exact match          teacher {metrics['exact_match_teacher']:.3f}; student "
+            f"exact match          {'' if teacher is None else f'teacher {teacher:.3f}; '}student "
             f"{metrics['exact_match_before']:.3f} -> {metrics['exact_match_after']:.3f} (held-out, greedy)"
         )
         by_task = sorted(metrics["exact_match_by_task_after"].items(), key=lambda kv: -kv[1])
