@@ -347,6 +347,14 @@ def test_hfacc_distill_trains_on_the_served_teacher_without_one_of_its_own(
         with pytest.raises(SystemExit) as stop:
             cli_main([*served, *extra])
         assert stop.value.code == 2 and said in capsys.readouterr().err, extra
+    # No server where the URL says: one line naming the command that starts one (not a ServerError traceback).
+    nowhere = [*served[:2], "http://127.0.0.1:9", *served[3:], "--vllm_server_timeout", "1"]
+    assert nowhere[2] == "http://127.0.0.1:9" and served[2] == server.url
+    with pytest.raises(SystemExit) as stop:
+        cli_main(nowhere)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "no vLLM server answered at http://127.0.0.1:9" in err, err
+    assert "hfacc vllm-serve --model" in err and "Traceback" not in err
 
 
 def test_the_served_teacher_s_settings_refuse_what_cannot_work(distill_setting):

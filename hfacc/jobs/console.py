@@ -66,6 +66,9 @@ def describe_user_error(err: BaseException, settings: Sequence[Any] = ()) -> str
     gate = sys.modules.get("hfacc.training.step_gate")  # not imported: the error cannot have come from it
     if gate is not None and isinstance(err, gate.NonFiniteLossError):
         return f"{err} Lower the learning rate, or check the data for extreme values."
+    server = sys.modules.get("hfacc.generation.server_engine")  # not imported: no server was asked
+    if server is not None and isinstance(err, server.ServerError):  # no server, a stopped one, one we cannot use
+        return str(err).removeprefix("hfacc: ")
     if _is_oom(err):
         return (
             "out of memory. Lower per_device_train_batch_size (or max_tokens_per_batch) and raise "
