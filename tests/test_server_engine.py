@@ -370,3 +370,19 @@ def test_the_served_teacher_s_settings_refuse_what_cannot_work(distill_setting):
     assert args.loss_top_k == 20  # vLLM's default --max-logprobs
     with pytest.raises(ValueError, match=r"the teacher is the one on teacher_model_server_url; pass no teacher_model"):
         DistillationTrainer(teacher, teacher, args, train_dataset=prompts, processing_class=tokenizer)
+
+
+def test_hfacc_grpo_names_a_missing_server_before_it_loads_or_trains(monkeypatch, capsys, tmp_path):
+    """No server at the port: one line naming the command that starts one, within the timeout, before the policy
+    loads or a short SFT runs (it came after them, minutes in)."""
+    from hfacc.cli import main as cli_main
+    from hfacc.jobs import grpo as job
+
+    monkeypatch.setattr(job, "load_policy", lambda *a, **k: pytest.fail("the policy loaded before the server check"))
+    argv = ["grpo", "--use_vllm", "true", "--vllm_mode", "server", "--vllm_server_port", "9",
+            "--vllm_server_timeout", "1", "--output_dir", str(tmp_path)]  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        cli_main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "no vLLM server answered at http://127.0.0.1:9" in err, err
+    assert "hfacc vllm-serve --model <the policy's directory> --port 9" in err and "Traceback" not in err

@@ -54,7 +54,7 @@ from .engine_weights import (  # noqa: F401 (their home was here: importable fro
     get_engine_weights,
     get_expected_weights,
 )
-from .server_engine import ServerEngine
+from .server_engine import TEACHER_COMMAND, ServerClient, ServerEngine
 
 logger = logging.getLogger(__name__)
 
@@ -413,6 +413,18 @@ def get_server_url(args) -> str:
         return args.vllm_server_base_url.rstrip("/")
     host = "127.0.0.1" if args.vllm_server_host in ("0.0.0.0", "") else args.vllm_server_host
     return f"http://{host}:{args.vllm_server_port}"
+
+
+def wait_for_servers(args) -> None:
+    """Wait (at most ``vllm_server_timeout`` each) for the servers ``args`` name: the policy's
+    (``use_vllm`` with ``vllm_mode='server'``) and a served teacher's (``use_teacher_server``); none up:
+    :class:`ServerError` naming the command that starts it. A job calls it before it loads or trains anything, so
+    that a missing server is known in seconds, not after a short SFT; the trainer checks again when it starts."""
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", None) == "server":
+        ServerClient(get_server_url(args), args.vllm_server_timeout).wait_until_up(args.vllm_server_timeout)
+    if getattr(args, "use_teacher_server", False):
+        client = ServerClient(args.teacher_model_server_url, args.vllm_server_timeout)
+        client.wait_until_up(args.vllm_server_timeout, TEACHER_COMMAND, "teacher_model_server_url")
 
 
 def check_server_settings(args) -> None:

@@ -38,6 +38,7 @@ from ..data.formats import DataError, normalize_messages
 from ..data.sft import DataArguments, build_datasets
 from ..data.sources import SOURCE_ROW, load_sft_source
 from ..generation.evaluation import exact_match_by_group, exact_match_on_conversations
+from ..generation.vllm_engine import wait_for_servers
 from ..models.loading import ModelArguments, load_causal_lm, load_model_and_tokenizer
 from ..models.teacher import check_teacher_tokenizer, precompute_teacher_logprobs
 from ..objectives.distillation import DistillationObjective
@@ -119,6 +120,7 @@ def main(job: DistillJobArguments, model_args: ModelArguments, data_args: DataAr
         check_on_policy_settings(job, data_args, args)
     # Before the models load (or a teacher's short SFT runs): a refusal then costs seconds.
     check_run_before_loading(args, data_args, streaming=data_args.streaming)
+    wait_for_servers(args)  # the teacher's or the student's vLLM server not up: its one line now, not after loading
     student, tokenizer = load_model_and_tokenizer(model_args, seed=args.seed)
     if job.precompute_teacher_logprobs and job.teacher_top_k > len(tokenizer):  # before the teacher loads or trains
         raise ConfigError(

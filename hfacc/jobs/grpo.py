@@ -31,6 +31,7 @@ from ..generation.evaluation import exact_match_by_group, generate_answers
 from ..generation.rewards import completion_text, get_reward_funcs
 from ..generation.rollout import SamplingSettings, build_rollout, is_conversational
 from ..generation.tools import get_tool_schemas
+from ..generation.vllm_engine import wait_for_servers
 from ..models.loading import ModelArguments, load_model_and_tokenizer
 from ..runtime.config import get_default_config, parse_args
 from ..training.checkpoint import check_run_before_loading, get_data_settings
@@ -170,6 +171,7 @@ def main(job: GRPOJobArguments, model_args: ModelArguments, args: GRPOArguments)
     # The prompts as asked for (tasks 'auto', not the tasks it picks): the same on every launch of this run.
     data = get_data_settings(job, args)
     check_run_before_loading(args, job, args)  # before the policy loads or a short SFT runs
+    wait_for_servers(args)  # a vLLM server that is not up: its one line now, not after a short SFT
     tools = get_job_tools(job)
     if tools:
         get_tool_schemas(tools)  # a tool without a schema is an error now, not after a short SFT
