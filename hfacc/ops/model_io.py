@@ -122,6 +122,22 @@ def get_num_virtual_tokens(model: nn.Module) -> int:
     return 0
 
 
+def get_dropout_settings(model: nn.Module, active_only: bool = False) -> list[str]:
+    """The dropouts ``model`` would apply in training: dropout modules with ``p > 0`` (whatever their current mode;
+    ``active_only``: those in train mode) and config entries named ``*dropout*`` above 0 (attention dropout is a
+    functional call, with no module)."""
+    found = [
+        f"{n or 'model'}.p={m.p}"
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and (m.training or not active_only)
+    ]
+    config = getattr(model, "config", None)
+    for key, value in (config.to_dict() if config is not None else {}).items():
+        if "dropout" in key and isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            found.append(f"config.{key}={value}")
+    return found
+
+
 def get_input_embeddings(model: nn.Module) -> nn.Module | None:
     """The model's input embedding module, or None (a plain module, or a transformers class that does not say)."""
     base = get_base_model(model)

@@ -38,7 +38,14 @@ from ..data.shared_prompts import get_attention_width, get_attention_window, sha
 from ..objectives import Objective
 from ..ops.fused_loss import fused_loss_problem, swap_output_head
 from ..ops.loss import IGNORE_INDEX, get_sequence_starts, shift_labels
-from ..ops.model_io import get_aux_loss, get_base_model, get_input_embeddings, get_logits, model_inputs
+from ..ops.model_io import (
+    get_aux_loss,
+    get_base_model,
+    get_dropout_settings,
+    get_input_embeddings,
+    get_logits,
+    model_inputs,
+)
 from ..ops.precision import check_precision, get_tolerance
 from ..ops.scores import get_last_token_index, get_pad_token_id
 from ..runtime.distributed import all_ranks_agree
@@ -166,14 +173,18 @@ def check_padding_free(
         checks.append(
             ("the gradient of a sequence's loss that reaches the one before it in its row (a leak)", reached, 0.0)
         )
+    return describe_failed_checks(checks, "not what the padded run computes")
+
+
+def describe_failed_checks(checks: list[tuple[str, float, float]], verdict: str) -> str | None:
+    """``verdict`` and each ``(what, difference, bound)`` of ``checks`` past its bound (0: it must be exactly 0), in
+    one line; None when every one holds."""
     wrong = [
         f"{what} by {d:.1e} relative ({f'bound {bound:.0e}' if bound else 'it must be 0'})"
         for what, d, bound in checks
         if not d <= bound
     ]
-    if wrong:
-        return "not what the padded run computes: " + "; ".join(wrong)
-    return None
+    return f"{verdict}: " + "; ".join(wrong) if wrong else None
 
 
 @torch.no_grad()
@@ -690,17 +701,6 @@ def shared_prompts_problem(model: nn.Module, objective: Objective, args=None) ->
     return position_ids_problem(base)
 
 
-def get_dropout_settings(model: nn.Module) -> list[str]:
-    """The dropouts ``model`` would apply in training: dropout modules with ``p > 0`` (whatever the current mode) and
-    config entries named ``*dropout*`` above 0 (attention dropout is a functional call, with no module)."""
-    found = [f"{n or 'model'}.p={m.p}" for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
-    config = getattr(model, "config", None)
-    for key, value in (config.to_dict() if config is not None else {}).items():
-        if "dropout" in key and isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-            found.append(f"config.{key}={value}")
-    return found
-
-
 def _check_pairs(batch: Mapping[str, Any], vocab: int) -> dict[str, torch.Tensor]:
     """Three pairs made of ``batch``'s real tokens, right-padded ``[6, T]`` (chosen rows first): prompts of 8, 4 and 3
     tokens, answers of 12 / 10, 4 / 4 and 3 / 4 that part at their first token. Laid out, the first pair has a row of
@@ -821,14 +821,7 @@ def check_shared_prompts(
         checks.append(("the gradient that reaches the filler", _share(grad[counts == 0], expected), 0.0))
         reached = _share(moved_grad[changed_mask], moved_grad[watched])
         checks.append(("the gradient of a value that reaches another answer or pair (a leak)", reached, 0.0))
-    wrong = [
-        f"{what} by {d:.1e} relative ({f'bound {bound:.0e}' if bound else 'it must be 0'})"
-        for what, d, bound in checks
-        if not d <= bound
-    ]
-    if wrong:
-        return "not what each sequence's own forward computes: " + "; ".join(wrong)
-    return None
+    return describe_failed_checks(checks, "not what each sequence's own forward computes")
 
 
 def choose_shared_prompts(

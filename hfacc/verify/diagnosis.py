@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..ops.model_io import get_base_model, model_inputs
+from ..ops.model_io import get_base_model, get_dropout_settings, model_inputs
 
 
 @dataclass
@@ -42,7 +42,7 @@ def diagnose(model, objective, batch, path, normalization, window, micro_batches
             "put those layers in eval mode (frozen statistics), or replace them with LayerNorm/GroupNorm",
         )
     )
-    dropouts = _active_dropout(base)
+    dropouts = get_dropout_settings(base, active_only=True)
     random_ops = _forward_is_random(model, batch)
     if random_ops or dropouts:
         why = "two identical forwards differ" if random_ops else "dropout is active (its masks also change gradients)"
@@ -161,20 +161,6 @@ def _accepts_loss_kwargs(model) -> bool:
         return bool(base.accepts_loss_kwargs)
     params = inspect.signature(base.forward).parameters.values()
     return any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params)
-
-
-def _active_dropout(model) -> list[str]:
-    names = [
-        n or "model"
-        for n, m in model.named_modules()
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training
-    ]
-    config = getattr(model, "config", None)
-    if config is not None:
-        for key, value in config.to_dict().items():
-            if "dropout" in key and isinstance(value, (int, float)) and value > 0:
-                names.append(f"config.{key}={value}")
-    return names
 
 
 def _forward_is_random(model, batch) -> bool:
