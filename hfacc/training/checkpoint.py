@@ -75,6 +75,16 @@ RUN_SETTINGS = (
     "max_tokens_per_batch",
     "length_group_size",
 )
+# The embedded default's own settings: they do not apply to a named dataset, so are not compared with one.
+EMBEDDED_SETTINGS = (
+    "num_embedded_examples",
+    "embedded_dataset",
+    "tool_direct_fraction",
+    "num_embedded_prompts",
+    "num_rejected_samples",
+    "rejected_temperature",
+    "tasks",
+)
 # What decides which rows a run trains on and how, recorded as ``data.<name>`` beside RUN_SETTINGS: the data source
 # (dataset, config, split, how many rows, the embedded default's size), its preprocessing (max_length, truncation,
 # packing, the chat template), and for GRPO the prompts (how many, which embedded tasks, max_prompt_length). Each job
@@ -86,30 +96,14 @@ DATA_SETTINGS = (
     "dataset_config",
     "dataset_train_split",
     "max_examples",
-    "num_embedded_examples",
-    "embedded_dataset",
-    "tool_direct_fraction",
-    "num_embedded_prompts",
-    "num_rejected_samples",
-    "rejected_temperature",
+    *EMBEDDED_SETTINGS,
     "num_train_prompts",
-    "tasks",
     "dataset_format",
     "max_length",
     "max_prompt_length",
     "truncation",
     "last_turn_only",
     "packing",
-)
-# The embedded default's own settings: they do not apply to a named dataset, so are not compared with one.
-EMBEDDED_SETTINGS = (
-    "num_embedded_examples",
-    "embedded_dataset",
-    "tool_direct_fraction",
-    "num_embedded_prompts",
-    "num_rejected_samples",
-    "rejected_temperature",
-    "tasks",
 )
 # Columns a model computed (a reference's log-probs, a teacher's top-K): not the data. Their last bits may differ
 # between two launches of the same run (another GPU kernel), which would refuse the run's own requeue.
