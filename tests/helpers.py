@@ -272,15 +272,3 @@ def torchrun(*args: str) -> list[str]:
         str(free_port()),
         *args,
     ]
-
-
-def end_process_group() -> None:
-    """Destroy the default process group, if one is up: a check script's last line under torchrun.
-
-    A gloo rank that exits with its group alive aborts now and then at interpreter exit ("terminate called without
-    an active exception", SIGABRT; 1 in 20 runs of a bare all_reduce script here, torch 2.13), failing the launch.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

@@ -28,7 +28,8 @@ from datasets import Dataset  # noqa: E402
 
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama  # noqa: E402
 from hfacc.data.embedded import build_default_tokenizer  # noqa: E402
-from tests.helpers import VOCAB, end_process_group, make_examples, relative_error  # noqa: E402
+from hfacc.jobs.console import end_process_group  # noqa: E402
+from tests.helpers import VOCAB, make_examples, relative_error  # noqa: E402
 from tests.streaming_check import make_rows, make_stream  # noqa: E402
 
 COLLATE = DataCollatorForCausalLM(pad_token_id=0)

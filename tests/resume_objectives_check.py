@@ -47,9 +47,10 @@ from hfacc import (  # noqa: E402
     generate_shape_examples,
     precompute_teacher_logprobs,
 )
+from hfacc.jobs.console import end_process_group  # noqa: E402
 from tests import resume_check  # noqa: E402
 from tests.distillation_reference import make_student, make_teacher, uneven_examples  # noqa: E402
-from tests.helpers import VOCAB, end_process_group, make_examples, relative_error  # noqa: E402
+from tests.helpers import VOCAB, make_examples, relative_error  # noqa: E402
 from tests.preference_check import objective_for, setting  # noqa: E402
 from tests.preference_reference import imbalanced_pairs  # noqa: E402
 from tests.reward_kto_check import kto_setting  # noqa: E402

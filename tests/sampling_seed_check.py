@@ -25,8 +25,8 @@ from datasets import Dataset  # noqa: E402
 from hfacc import DistillationArguments, DistillationTrainer, GRPOArguments, GRPOTrainer  # noqa: E402
 from hfacc.data.embedded import build_default_model  # noqa: E402
 from hfacc.generation import engine as engines  # noqa: E402
+from hfacc.jobs.console import end_process_group  # noqa: E402
 from tests.grpo_setup import build_policy  # noqa: E402
-from tests.helpers import end_process_group  # noqa: E402
 
 DRAWS: list[dict] = []  # this rank's engine draws in the current run
 _sample = engines.TransformersEngine.sample

@@ -27,10 +27,11 @@ import hfacc.objectives.preference as preference_module  # noqa: E402
 import hfacc.training.trainer as trainer_module  # noqa: E402
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama  # noqa: E402
 from hfacc.cli import main as main_cli  # noqa: E402
+from hfacc.jobs.console import end_process_group  # noqa: E402
 from hfacc.ops.loss import WindowCounts  # noqa: E402
 from tests.distributed_check import imbalanced_examples  # noqa: E402
 from tests.engine_check import full_parameters  # noqa: E402
-from tests.helpers import end_process_group, full_batch_causal_lm, relative_error, train_args  # noqa: E402
+from tests.helpers import full_batch_causal_lm, relative_error, train_args  # noqa: E402
 from tests.preference_check import COLLATE, objective_for, tiny  # noqa: E402
 from tests.preference_reference import big_batch, imbalanced_pairs, reference_logps  # noqa: E402
 

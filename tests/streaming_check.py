@@ -24,7 +24,8 @@ from datasets import Dataset, IterableDataset  # noqa: E402
 from hfacc import DataCollatorForCausalLM, TokenWeightedArguments, TokenWeightedTrainer, build_tiny_llama  # noqa: E402
 from hfacc.data.embedded import build_default_tokenizer, generate_instruction_examples  # noqa: E402
 from hfacc.data.sft import build_sft_dataset  # noqa: E402
-from tests.helpers import CaptureGradients, end_process_group, full_batch_causal_lm, relative_error  # noqa: E402
+from hfacc.jobs.console import end_process_group  # noqa: E402
+from tests.helpers import CaptureGradients, full_batch_causal_lm, relative_error  # noqa: E402
 
 MAX_LENGTH = 64
 

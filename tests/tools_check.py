@@ -29,8 +29,9 @@ from hfacc import (  # noqa: E402
     TokenWeightedArguments,
     TokenWeightedTrainer,
 )
+from hfacc.jobs.console import end_process_group  # noqa: E402
 from tests.grpo_setup import CaptureSteps, build_policy, build_prompts  # noqa: E402
-from tests.helpers import end_process_group, relative_error, run_trainer, train_args  # noqa: E402
+from tests.helpers import relative_error, run_trainer, train_args  # noqa: E402
 from tests.test_tools import (  # noqa: E402
     BUDGET,
     EPS,

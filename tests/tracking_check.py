@@ -31,8 +31,9 @@ from hfacc import (  # noqa: E402
     TokenWeightedTrainer,
     build_tiny_llama,
 )
+from hfacc.jobs.console import end_process_group  # noqa: E402
 from tests.grpo_setup import brevity, build_policy, build_prompts  # noqa: E402
-from tests.helpers import VOCAB, end_process_group, make_examples  # noqa: E402
+from tests.helpers import VOCAB, make_examples  # noqa: E402
 from tests.preference_reference import make_pairs  # noqa: E402
 
 PROJECT = "hfacc-tracking"

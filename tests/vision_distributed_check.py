@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hfacc.setup.layout_check as layout_check  # noqa: E402
 from hfacc import DataCollatorForVisionLM, TokenWeightedArguments, TokenWeightedTrainer  # noqa: E402
-from tests.helpers import end_process_group, relative_error, run_trainer, train_args  # noqa: E402
+from hfacc.jobs.console import end_process_group  # noqa: E402
+from tests.helpers import relative_error, run_trainer, train_args  # noqa: E402
 from tests.test_vision import FAMILIES, examples_for, reference_gradient  # noqa: E402
 from tests.vision_families import model_for, processor_for  # noqa: E402
 

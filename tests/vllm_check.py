@@ -18,8 +18,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hfacc.jobs.console import end_process_group  # noqa: E402
 from tests.grpo_setup import build_policy, rollout_rows, run_grpo  # noqa: E402
-from tests.helpers import end_process_group, relative_error  # noqa: E402
+from tests.helpers import relative_error  # noqa: E402
 from tests.rollouts import reference_gradient  # noqa: E402
 
 STEPS = 2
