@@ -25,7 +25,13 @@ from __future__ import annotations
 
 import importlib
 
+from .runtime import shutdown as _shutdown
+
 __version__ = "0.1.0"
+
+# A process that ran gloo collectives waits for gloo's worker threads before it finalizes (hfacc/runtime/shutdown.py:
+# otherwise a rank can abort after its work is done, and torchrun reports the run failed).
+_shutdown.register()
 
 # Where each public name lives. `import hfacc` imports none of them: a name is imported on first use (PEP 562),
 # so `import hfacc` and `hfacc <command> --help` do not pay for torch models, datasets and the Trainer.
