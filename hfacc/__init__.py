@@ -23,15 +23,24 @@ are for readers of the code, not a second API.
 
 from __future__ import annotations
 
+import atexit
 import importlib
-
-from .runtime import shutdown as _shutdown
+import sys
 
 __version__ = "0.1.0"
 
-# A process that ran gloo collectives waits for gloo's worker threads before it finalizes (hfacc/runtime/shutdown.py:
-# otherwise a rank can abort after its work is done, and torchrun reports the run failed).
-_shutdown.register()
+
+def _wait_for_collective_threads() -> None:
+    """At exit, a process that ran gloo collectives waits for gloo's worker threads before it finalizes
+    (hfacc/runtime/shutdown.py: otherwise a rank can abort after its work is done, and torchrun reports it failed).
+    The module is imported only then, so ``import hfacc`` stays free of every submodule."""
+    if "torch.distributed" in sys.modules:
+        from .runtime.shutdown import wait_for_collective_threads
+
+        wait_for_collective_threads()
+
+
+atexit.register(_wait_for_collective_threads)
 
 # Where each public name lives. `import hfacc` imports none of them: a name is imported on first use (PEP 562),
 # so `import hfacc` and `hfacc <command> --help` do not pay for torch models, datasets and the Trainer.

@@ -14,12 +14,11 @@ the GIL waits with a timeout (CPython's ``take_gil``), and one still working is 
 ``/proc/self/task/<tid>/syscall`` tells them apart. Where it cannot say, the wait sleeps briefly instead, which
 hands the GIL to a waiting worker.
 
-Standard library only: ``import hfacc`` registers the wait (tests/test_layers.py, and a CLI that answers at once).
+Standard library only. ``import hfacc`` registers the wait at exit, which imports this module only then.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 import time
@@ -27,7 +26,6 @@ import time
 _WORKER = "pt_gloo_runloop"  # the name torch gives gloo's worker threads
 # futex's syscall number on each machine /proc reports for (/proc's syscall file starts with the number)
 _FUTEX_BY_MACHINE = {"x86_64": "202", "aarch64": "98"}
-_registered = False
 
 
 def _gloo_workers() -> dict[str, str | None]:
@@ -84,11 +82,3 @@ def wait_for_collective_threads(timeout_s: float = 5.0, grace_s: float = 0.2) ->
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.005)  # hands the GIL to a worker waiting for it
-
-
-def register() -> None:
-    """Run :func:`wait_for_collective_threads` at interpreter exit, once per process (``import hfacc`` does this)."""
-    global _registered
-    if not _registered:
-        atexit.register(wait_for_collective_threads)
-        _registered = True
