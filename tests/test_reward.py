@@ -429,6 +429,43 @@ def test_trainer_gives_the_big_batch_and_trls_metrics(bs, ga, padding_free, mode
     assert log["num_pairs"] == 8 and "pairs_per_second" in log and log["accumulation_audit_error"] <= 1e-5
 
 
+def test_padding_with_another_id_than_the_models_pad_is_refused_in_every_layout(model, pairs, tmp_path):
+    """A collator padding with an id that is not the config's pad_token_id: the model's own pooling (the rightmost
+    token that is not pad_token_id) would score the padding, a padding-free layout the last token: two layouts, two
+    trainings, silently (found: scores differed padded vs padding-free). One named error instead, in both layouts and
+    in a GRPO reward model whose tokenizer pads with another id than its config."""
+    used = {i for p in pairs for side in ("chosen", "rejected") for i in p[f"{side}_input_ids"]}
+    pad = min(set(range(1, 64)) - used)  # an id no sequence holds: the padding is all it marks
+    other = DataCollatorForPreference(pad_token_id=pad)
+    with pytest.raises(
+        ValueError, match=f"padded with token id {pad}, but the reward model's config has pad_token_id=0"
+    ):
+        get_sequence_scores(model, other(pairs))
+    _, scores = get_sequence_scores(model, remove_padding(COLLATE(pairs), True, keep=["margin"]))  # no padding: read
+    assert scores.shape == (16,)
+    for padding_free in (False, True):
+        args = train_args(
+            tmp_path / str(padding_free), 2, 2, args_class=TokenWeightedArguments, padding_free=padding_free
+        )
+        trainer = TokenWeightedTrainer(model=model, args=args, train_dataset=Dataset.from_list(pairs),
+                                       data_collator=other, objective=RewardObjective(CENTER))  # fmt: skip
+        with pytest.raises(ValueError, match=r"DataCollatorForPreference\(pad_token_id=0\)"):
+            trainer.train()
+
+    from hfacc import build_default_model
+    from hfacc.generation.rewards import get_reward_function
+    from hfacc.models.loading import as_reward_model
+
+    tokenizer = build_default_tokenizer()
+    reward = as_reward_model(build_default_model(tokenizer, hidden_size=32, num_layers=1), tokenizer.pad_token_id)
+    score = get_reward_function(reward, tokenizer)
+    prompts, completions = ["Spell cat.", "Spell a dog please."], [" C A T", " D O G"]
+    assert len(score(prompts, completions)) == 2
+    reward.config.pad_token_id = tokenizer.pad_token_id + 1
+    with pytest.raises(ValueError, match=f"set model.config.pad_token_id = {tokenizer.pad_token_id}"):
+        score(prompts, completions)
+
+
 def test_evaluation_logs_the_metrics_over_all_pairs(model, pairs, tmp_path):
     """evaluate() in batches of 3, 3, 2 pairs: each metric over all 8 (the extremes too)."""
     args = train_args(tmp_path, 2, 1, args_class=TokenWeightedArguments, per_device_eval_batch_size=3)

@@ -26,7 +26,13 @@ from torch import nn
 
 from ..data.preference import MARGIN, MARGIN_FIX, check_row_values
 from ..ops.loss import WindowCounts
-from ..ops.scores import PerPositionScores, get_sequence_scores, reward_model_problem
+from ..ops.scores import (
+    PerPositionScores,
+    get_last_token_index,
+    get_pad_token_id,
+    get_sequence_scores,
+    reward_model_problem,
+)
 from ..runtime.distributed import num_rows
 from .base import Objective, SetupContext, forward_inputs
 from .preference import PairedRows
@@ -110,7 +116,8 @@ class RewardObjective(PairedRows, Objective):
 
     # ---- once per model ----------------------------------------------------------------------------------------
     def setup(self, context: SetupContext) -> None:
-        """Refuse, before any training, a model that is no reward model (``num_labels`` != 1, no pad token)."""
+        """Refuse, before any training, a model that is no reward model (``num_labels`` != 1, no pad token), and a
+        first micro-batch padded with another id than the model's pad token (its own pooling would read padding)."""
         args = context.args
         if args is not None and getattr(args, "normalization", "token") == "sequence":
             raise ValueError(
@@ -120,6 +127,12 @@ class RewardObjective(PairedRows, Objective):
         problem = reward_model_problem(context.model)
         if problem:
             raise ValueError(problem)
+        batch = context.batch  # as collated, before any layout: padded with the collator's pad id
+        ids = batch.get("input_ids") if batch is not None else None
+        if torch.is_tensor(ids) and ids.dim() == 2 and batch.get("sequence_ids") is None:
+            # refuses padding the model's own pooling would read (its id is not the config's pad_token_id): the
+            # padding-free and shared-prompt layouts would read each sequence's last token instead, silently
+            get_last_token_index(batch, ids.shape, get_pad_token_id(context.model))
 
     def check_data(self, dataset, name: str = "the training data") -> None:
         """A ``margin`` column: a finite number in every pair, or in none (one named error before training)."""

@@ -73,16 +73,38 @@ def get_last_token_index(batch: Mapping[str, Any], shape: torch.Size, pad_token_
         first = first.scatter_reduce(0, owner[real], positions[real], reduce="amin")
         return torch.where(last >= 0, last, first)  # a sequence of pad tokens only: its first, as padded
     columns = torch.arange(width, device=ids.device if torch.is_tensor(ids) else None)
+    mask = batch.get("attention_mask")
     if not_pad is not None:
         last = (not_pad * columns).argmax(-1)  # transformers' rule: 0 when every token is pad_token_id
+        if torch.is_tensor(mask) and mask.dim() == 2:
+            _refuse_reading_padding(ids, mask, last, pad_token_id)
         return torch.arange(rows, device=columns.device) * width + last
-    mask = batch.get("attention_mask")
     if torch.is_tensor(mask) and mask.dim() == 2:
         columns = columns.to(mask.device)
         last = (mask.bool() * (columns + 1)).argmax(-1)  # the rightmost real position of each row
         return torch.arange(rows, device=mask.device) * width + last
     device = next((v.device for v in batch.values() if torch.is_tensor(v)), None)
     return torch.arange(rows, device=device) * width + width - 1
+
+
+def _refuse_reading_padding(ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, pad_token_id: int) -> None:
+    """A ``ValueError`` where the model's rule would read a row's right padding: the batch is padded with an id that
+    is not the config's ``pad_token_id``. The model would score a padding position (what the collator's width
+    decides, not the sequence), and a padding-free layout would read the sequence's last token instead: two layouts,
+    two trainings, no error (found: a collator padding with the tokenizer's pad id beside a config with another)."""
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    last_real = (mask.bool() * (columns + 1)).argmax(-1)  # the rightmost attended position of each row
+    reads_padding = (last.to(mask.device) > last_real) & mask.bool().any(-1)
+    if bool(reads_padding.any()):
+        row = int(reads_padding.nonzero()[0, 0])
+        used = int(ids[row, int(last[row])])
+        raise ValueError(
+            f"The batch is padded with token id {used}, but the reward model's config has pad_token_id="
+            f"{pad_token_id}: its own pooling (the rightmost token that is not pad_token_id) would read row {row}'s "
+            f"padding instead of its last token, and a padding-free layout would read that token: pad with the model's "
+            f"pad token (DataCollatorForPreference(pad_token_id={pad_token_id}), or a tokenizer whose pad_token_id is "
+            f"{pad_token_id}), or set model.config.pad_token_id = {used} (TRL sets it from the tokenizer)."
+        )
 
 
 def get_pad_token_id(model: nn.Module) -> int | None:
