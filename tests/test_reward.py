@@ -461,8 +461,10 @@ def test_padding_with_another_id_than_the_models_pad_is_refused_in_every_layout(
     score = get_reward_function(reward, tokenizer)
     prompts, completions = ["Spell cat.", "Spell a dog please."], [" C A T", " D O G"]
     assert len(score(prompts, completions)) == 2
-    reward.config.pad_token_id = tokenizer.pad_token_id + 1
-    with pytest.raises(ValueError, match=f"set model.config.pad_token_id = {tokenizer.pad_token_id}"):
+    reward.config.pad_token_id = tokenizer.pad_token_id + 1  # refused before any step, and by each padded forward
+    with pytest.raises(ValueError, match=f"Set model.config.pad_token_id = {tokenizer.pad_token_id} "):
+        get_reward_function(reward, tokenizer)
+    with pytest.raises(ValueError, match=f"set model.config.pad_token_id = {tokenizer.pad_token_id} "):
         score(prompts, completions)
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..data.formats import DataError
 from ..models.loading import get_tokenizer, load_reward_model
-from ..ops.scores import get_sequence_scores, reward_model_problem
+from ..ops.scores import get_pad_token_id, get_sequence_scores, reward_model_problem
 
 
 def completion_text(completion: Any) -> str:
@@ -96,6 +96,14 @@ class RewardModelFunction:
             raise ValueError(f"reward model: {problem}.")
         if getattr(tokenizer, "pad_token_id", None) is None:
             raise ValueError("reward model: its tokenizer has no pad token; set tokenizer.pad_token.")
+        configured = get_pad_token_id(model)
+        if configured != tokenizer.pad_token_id:  # hfacc.ops.scores refuses it per batch; say it before any step
+            raise ValueError(
+                f"reward model: its tokenizer pads with token id {tokenizer.pad_token_id}, but its config has "
+                f"pad_token_id={configured}: its own pooling (the rightmost token that is not pad_token_id) would read "
+                f"the padding of every batch of unequal lengths. Set model.config.pad_token_id = "
+                f"{tokenizer.pad_token_id} (TRL sets it from the tokenizer), or give the tokenizer that pad token."
+            )
         self.model, self.tokenizer, self.batch_size, self.max_length = model, tokenizer, batch_size, max_length
         name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
         self.__name__ = str(name).rstrip("/").split("/")[-1]  # TRL names a reward model's reward so
