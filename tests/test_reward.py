@@ -468,6 +468,32 @@ def test_padding_with_another_id_than_the_models_pad_is_refused_in_every_layout(
         score(prompts, completions)
 
 
+def test_another_pad_id_is_refused_before_the_window_whatever_micro_batch_is_padded(model, pairs, tmp_path):
+    """The same refusal when the first micro-batch holds no padding (its chosen and rejected answers as long, so
+    nothing there says which id pads) and a later one does: padding-free, nothing else would ever refuse it (each
+    micro-batch is laid out without its padding before its forward), so the run trained silently where the
+    padded run refused, and which one happened hung on the data order. Refused before the window's first
+    forward in every layout: no step is taken."""
+    used = {i for p in pairs for side in ("chosen", "rejected") for i in p[f"{side}_input_ids"]}
+    other = DataCollatorForPreference(pad_token_id=min(set(range(1, 64)) - used))
+    first = {
+        **pairs[0],
+        "rejected_input_ids": pairs[0]["chosen_input_ids"],
+        "rejected_labels": pairs[0]["chosen_labels"],
+    }
+    data = Dataset.from_list([first, *pairs[1:4]])
+    assert not (other([first])["attention_mask"] == 0).any() and (other(pairs[1:2])["attention_mask"] == 0).any()
+    for padding_free in (False, True):
+        args = train_args(
+            tmp_path / str(padding_free), 1, 4, args_class=TokenWeightedArguments, padding_free=padding_free
+        )
+        trainer = TokenWeightedTrainer(model=model, args=args, train_dataset=data, data_collator=other,
+                                       objective=RewardObjective())  # fmt: skip
+        with pytest.raises(ValueError, match=r"DataCollatorForPreference\(pad_token_id=0\)"):
+            trainer.train()
+        assert trainer.state.global_step == 0, padding_free
+
+
 def test_evaluation_logs_the_metrics_over_all_pairs(model, pairs, tmp_path):
     """evaluate() in batches of 3, 3, 2 pairs: each metric over all 8 (the extremes too)."""
     args = train_args(tmp_path, 2, 1, args_class=TokenWeightedArguments, per_device_eval_batch_size=3)
