@@ -379,6 +379,29 @@ def test_the_shared_prompt_check_sees_what_it_guards_against(model, pairs):
     assert setup.padding_free and setup.shared_prompts is None
 
 
+def test_shared_prompts_are_chosen_for_a_model_whose_pad_id_is_not_0(model, pairs):
+    """The shared-prompt check pads its own pairs: with 0, not the model's pad id, the model's rule read its
+    padding, so every reward model whose pad_token_id is not 0 (Llama 3, Qwen, ...) was refused before training,
+    blaming a "batch padded with token id 0" the run does not have (and, before that refusal, the check failed
+    and the pairs were silently laid out without sharing their prompt). Collated with its pad id, it is chosen."""
+    import copy
+
+    from accelerate import Accelerator
+
+    used = {i for p in pairs for side in ("chosen", "rejected") for i in p[f"{side}_input_ids"]}
+    pad = min(set(range(1, 64)) - used)
+    other = copy.deepcopy(model)
+    other.config.pad_token_id = pad
+    batch = DataCollatorForPreference(pad_token_id=pad)(pairs[:2])
+    assert check_shared_prompts(PerPositionScores(other), batch, None, pad) is None
+    setup = build_model_setup(other, batch, Accelerator(cpu=True), objective=RewardObjective())
+    assert setup.shared_prompts is not None and setup.shared_prompts.pad_token_id == pad
+    with torch.no_grad():
+        own = other(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0]
+        shared = get_sequence_scores(other, setup.shared_prompts.lay_out(batch))[1]
+    assert relative_error(shared, own) <= 1e-6
+
+
 def test_a_model_that_drops_the_mask_trains_each_sequence_on_its_own_and_says_so(model, pairs, tmp_path, caplog):
     """The fallback: the check fails (said at WARNING, with the setting), the pairs' sequences are laid out on their
     own (packed rows) and the update is the big batch's."""
@@ -466,6 +489,32 @@ def test_padding_with_another_id_than_the_models_pad_is_refused_in_every_layout(
         get_reward_function(reward, tokenizer)
     with pytest.raises(ValueError, match=f"set model.config.pad_token_id = {tokenizer.pad_token_id} "):
         score(prompts, completions)
+
+
+def test_another_pad_id_is_refused_before_the_window_whatever_micro_batch_is_padded(model, pairs, tmp_path):
+    """The same refusal when the first micro-batch holds no padding (its chosen and rejected answers as long, so
+    nothing there says which id pads) and a later one does: padding-free, nothing else would ever refuse it (each
+    micro-batch is laid out without its padding before its forward), so the run trained silently where the
+    padded run refused, and which one happened hung on the data order. Refused before the window's first
+    forward in every layout: no step is taken."""
+    used = {i for p in pairs for side in ("chosen", "rejected") for i in p[f"{side}_input_ids"]}
+    other = DataCollatorForPreference(pad_token_id=min(set(range(1, 64)) - used))
+    first = {
+        **pairs[0],
+        "rejected_input_ids": pairs[0]["chosen_input_ids"],
+        "rejected_labels": pairs[0]["chosen_labels"],
+    }
+    data = Dataset.from_list([first, *pairs[1:4]])
+    assert not (other([first])["attention_mask"] == 0).any() and (other(pairs[1:2])["attention_mask"] == 0).any()
+    for padding_free in (False, True):
+        args = train_args(
+            tmp_path / str(padding_free), 1, 4, args_class=TokenWeightedArguments, padding_free=padding_free
+        )
+        trainer = TokenWeightedTrainer(model=model, args=args, train_dataset=data, data_collator=other,
+                                       objective=RewardObjective())  # fmt: skip
+        with pytest.raises(ValueError, match=r"DataCollatorForPreference\(pad_token_id=0\)"):
+            trainer.train()
+        assert trainer.state.global_step == 0, padding_free
 
 
 def test_evaluation_logs_the_metrics_over_all_pairs(model, pairs, tmp_path):

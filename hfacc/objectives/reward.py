@@ -113,6 +113,7 @@ class RewardObjective(PairedRows, Objective):
                 f"center_rewards_coefficient={center_rewards_coefficient}: it must be >= 0 (None: no centering term)."
             )
         self.center_rewards_coefficient = center_rewards_coefficient
+        self.pad_token_id: int | None = None  # the model's, once set up: each padded micro-batch is checked by it
 
     # ---- once per model ----------------------------------------------------------------------------------------
     def setup(self, context: SetupContext) -> None:
@@ -127,12 +128,18 @@ class RewardObjective(PairedRows, Objective):
         problem = reward_model_problem(context.model)
         if problem:
             raise ValueError(problem)
-        batch = context.batch  # as collated, before any layout: padded with the collator's pad id
-        ids = batch.get("input_ids") if batch is not None else None
-        if torch.is_tensor(ids) and ids.dim() == 2 and batch.get("sequence_ids") is None:
-            # refuses padding the model's own pooling would read (its id is not the config's pad_token_id): the
-            # padding-free and shared-prompt layouts would read each sequence's last token instead, silently
-            get_last_token_index(batch, ids.shape, get_pad_token_id(context.model))
+        self.pad_token_id = get_pad_token_id(context.model)
+        if context.batch is not None:
+            self._refuse_reading_padding(context.batch)
+
+    def _refuse_reading_padding(self, batch: Mapping[str, Any]) -> None:
+        """Refuse a padded micro-batch (as collated, before any layout) whose padding the model's own pooling would
+        read: its id is not the config's pad_token_id. The padding-free and shared-prompt layouts would read each
+        sequence's last token instead, silently; and a micro-batch without padding says nothing, so every one is
+        checked (:meth:`count`), not only the first (which may have none: chosen and rejected as long)."""
+        ids, padded = batch.get("input_ids"), batch.get("sequence_ids") is None
+        if self.pad_token_id is not None and torch.is_tensor(ids) and ids.dim() == 2 and padded:
+            get_last_token_index(batch, ids.shape, self.pad_token_id)  # the ValueError, naming both ids and the fix
 
     def check_data(self, dataset, name: str = "the training data") -> None:
         """A ``margin`` column: a finite number in every pair, or in none (one named error before training)."""
@@ -145,7 +152,9 @@ class RewardObjective(PairedRows, Objective):
 
     # ---- per micro-batch ---------------------------------------------------------------------------------------
     def count(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        """``tensor([pairs, sequences])``, before any forward (padded or padding-free)."""
+        """``tensor([pairs, sequences])``, before any forward (padded or padding-free). Each padded micro-batch of a
+        window is checked here too, before the window's first forward, in every layout (:meth:`setup`)."""
+        self._refuse_reading_padding(batch)
         sequences = int(batch["num_sequences"]) if batch.get("num_sequences") is not None else num_rows(batch)
         return torch.tensor([sequences // 2, sequences])
 

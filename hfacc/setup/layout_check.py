@@ -701,8 +701,9 @@ def shared_prompts_problem(model: nn.Module, objective: Objective, args=None) ->
     return position_ids_problem(base)
 
 
-def _check_pairs(batch: Mapping[str, Any], vocab: int) -> dict[str, torch.Tensor]:
-    """Three pairs made of ``batch``'s real tokens, right-padded ``[6, T]`` (chosen rows first): prompts of 8, 4 and 3
+def _check_pairs(batch: Mapping[str, Any], vocab: int, pad_token_id: int | None) -> dict[str, torch.Tensor]:
+    """Three pairs made of ``batch``'s real tokens, right-padded ``[6, T]`` with ``pad_token_id`` (the model's: its
+    pooling reads the rightmost token that is not it; 0 without one) (chosen rows first): prompts of 8, 4 and 3
     tokens, answers of 12 / 10, 4 / 4 and 3 / 4 that part at their first token. Laid out, the first pair has a row of
     its own (30 tokens) and the other two share one, before a filler of 8."""
     prompts, chosen, rejected = [8, 4, 3], [12, 4, 3], [10, 4, 4]
@@ -720,7 +721,7 @@ def _check_pairs(batch: Mapping[str, Any], vocab: int) -> dict[str, torch.Tensor
         sequences[1].append(prompt + other)
     rows = sequences[0] + sequences[1]
     width = max(map(len, rows))
-    padded_ids = torch.zeros(len(rows), width, dtype=ids.dtype, device=ids.device)
+    padded_ids = torch.full((len(rows), width), pad_token_id or 0, dtype=ids.dtype, device=ids.device)
     padded_mask = torch.zeros(len(rows), width, dtype=torch.long, device=ids.device)
     for r, row in enumerate(rows):
         padded_ids[r, : len(row)] = torch.tensor(row, dtype=ids.dtype)
@@ -773,7 +774,7 @@ def check_shared_prompts(
       their sum must not reach the changed tokens at all (exactly 0): an answer that sees the other answer, or a
       pair that sees the pair before it, does.
     """
-    padded = _check_pairs(batch, _vocab_size(model, batch["input_ids"]))
+    padded = _check_pairs(batch, _vocab_size(model, batch["input_ids"]), pad_token_id)
     laid = share_prompts(padded, pad_token_id, mask_dtype)
     real = padded["attention_mask"].bool()
     where = laid["layout_index"][real]  # the layout position of each padded real position
