@@ -28,12 +28,13 @@ _WORKER = "pt_gloo_runloop"  # the name torch gives gloo's worker threads
 _FUTEX_BY_MACHINE = {"x86_64": "202", "aarch64": "98"}
 
 
-def _gloo_workers() -> dict[str, str | None]:
-    """Each gloo worker thread of this process: its id -> what /proc says it is blocked in (None if unreadable)."""
+def _gloo_workers() -> dict[str, str | None] | None:
+    """Each gloo worker thread of this process: its id -> what /proc says it is blocked in (None if unreadable);
+    None when /proc cannot list the threads (not Linux)."""
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
-        return {}
+        return None
     workers: dict[str, str | None] = {}
     for tid in tids:
         try:
@@ -66,15 +67,15 @@ def wait_for_collective_threads(timeout_s: float = 5.0, grace_s: float = 0.2) ->
     Returns False after ``timeout_s`` (a worker stuck in a collective a peer never joins), and after ``grace_s`` of
     plain sleep where /proc cannot tell an idle worker from a busy one (not Linux, or the files are unreadable).
     """
-    if "torch.distributed" not in sys.modules:  # no collective ever ran in this process
+    if "torch" not in sys.modules:  # no collective ever ran in this process
         return True
     futex = _FUTEX_BY_MACHINE.get(os.uname().machine)
     deadline = time.monotonic() + timeout_s
     while True:
         workers = _gloo_workers()
-        if not workers:
+        if workers is not None and not workers:
             return True
-        if futex is None or any(state is None for state in workers.values()):
+        if workers is None or futex is None or any(state is None for state in workers.values()):
             time.sleep(grace_s)
             return False
         if all(_is_idle(state, futex) for state in workers.values()):
