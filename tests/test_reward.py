@@ -489,6 +489,13 @@ def test_padding_with_another_id_than_the_models_pad_is_refused_in_every_layout(
         get_reward_function(reward, tokenizer)
     with pytest.raises(ValueError, match=f"set model.config.pad_token_id = {tokenizer.pad_token_id} "):
         score(prompts, completions)
+    # an encoder whose classifier reads its pooled first token reads no pad id: its pad is not refused
+    from transformers import BertConfig, BertForSequenceClassification
+
+    bert = BertForSequenceClassification(BertConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        num_labels=1, pad_token_id=tokenizer.pad_token_id + 1))  # fmt: skip
+    assert len(get_reward_function(bert, tokenizer)(prompts, completions)) == 2
 
 
 def test_another_pad_id_is_refused_before_the_window_whatever_micro_batch_is_padded(model, pairs, tmp_path):

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..data.formats import DataError
 from ..models.loading import get_tokenizer, load_reward_model
-from ..ops.scores import get_pad_token_id, get_sequence_scores, reward_model_problem
+from ..ops.scores import get_pad_token_id, get_score_head, get_sequence_scores, reward_model_problem
 
 
 def completion_text(completion: Any) -> str:
@@ -97,7 +97,9 @@ class RewardModelFunction:
         if getattr(tokenizer, "pad_token_id", None) is None:
             raise ValueError("reward model: its tokenizer has no pad token; set tokenizer.pad_token.")
         configured = get_pad_token_id(model)
-        if configured != tokenizer.pad_token_id:  # hfacc.ops.scores refuses it per batch; say it before any step
+        # hfacc.ops.scores refuses it per batch; say it before any step. A model without a per-position head (an
+        # encoder whose classifier reads its pooled first token) reads no pad id: nothing to refuse there.
+        if configured != tokenizer.pad_token_id and get_score_head(model) is not None:
             raise ValueError(
                 f"reward model: its tokenizer pads with token id {tokenizer.pad_token_id}, but its config has "
                 f"pad_token_id={configured}: its own pooling (the rightmost token that is not pad_token_id) would read "
