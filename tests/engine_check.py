@@ -343,10 +343,9 @@ def main(engine: str, out_path: str) -> None:
         results["ranks"] = gather_lists([where])  # (global rank, machine rank, local rank) of every process
     elif engine in ("zero2", "zero3"):
         run("trainer bs1 ga4 fused", trainer_case, examples, bs=1, ga=4)
-        # ZeRO-2: evaluate() first, as the jobs do (`hfacc sft` used to stop there). Under ZeRO-3 stock's inference
-        # engine then leaves train() without one ('NoneType' object has no attribute 'backward'): not yet covered.
-        first = engine == "zero2"
-        run("trainer bs1 ga4 plain", trainer_case, examples, bs=1, ga=4, fused=False, evaluate_first=first)
+        # evaluate() first, as the jobs do: `hfacc sft` stopped there under ZeRO-2 (stock asks for an inference
+        # engine, ZeRO-3 only) and under ZeRO-3 (stock's inference engine left train() none to step with).
+        run("trainer bs1 ga4 plain", trainer_case, examples, bs=1, ga=4, fused=False, evaluate_first=True)
         if engine == "zero3":
             run("trainer bs1 ga4 fused tied", trainer_case, examples, bs=1, ga=4, tied=True)
             from tests.preference_check import zero3_cases  # DPO: the reference partitioned like the policy

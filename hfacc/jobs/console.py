@@ -139,6 +139,16 @@ def run_recipe(
     return 0
 
 
+def answers_on_every_rank(trainer, engine=None) -> bool:
+    """Whether every rank must take part in generating the held-out answers the main process reports: under ZeRO-3
+    on several ranks each forward gathers every layer's parameters from all of them (generate's ``synced_gpus``, on
+    by itself there), so the main process answering alone waits for peers that have left. Not with a vLLM engine,
+    which holds the whole weights."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return engine is None and trainer.args.world_size > 1 and is_deepspeed_zero3_enabled()
+
+
 def end_process_group() -> None:
     """Destroy the default process group after a job, as ``Accelerator.end_training`` does.
 

@@ -45,7 +45,7 @@ from ..ops.precision import get_training_autocast
 from ..runtime.config import ConfigError, get_default_config, parse_args
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import check_run_before_loading, get_data_settings
-from .console import describe_run, run_recipe, setup_console, use_console, write
+from .console import answers_on_every_rank, describe_run, run_recipe, setup_console, use_console, write
 from .report import save_loss_curve, write_json
 
 logger = logging.getLogger(__name__)
@@ -356,12 +356,15 @@ def load_preference_rows(job_args: PreferenceJobArguments, model, tokenizer, arg
 
 
 def exact_match(trainer, tokenizer, conversations, dpo_args, when: str, engine=None):
-    """``(score, samples, by task)`` of greedy answers to held-out ``conversations`` (rank 0 only; None: skipped),
-    answered by ``engine`` (vLLM, holding the policy's weights) when given."""
-    if not conversations or not trainer.is_world_process_zero():
+    """``(score, samples, by task)`` of greedy answers to held-out ``conversations`` (rank 0's; None: skipped, and on
+    the other ranks), answered by ``engine`` (vLLM, holding the policy's weights) when given. Under ZeRO-3 every rank
+    answers with the main one (:func:`hfacc.jobs.console.answers_on_every_rank`)."""
+    main = trainer.is_world_process_zero()
+    if not conversations or not (main or answers_on_every_rank(trainer, engine)):
         return None
     on = " (vLLM)" if engine is not None else ""
-    write(f"exact match {when}: answering {len(conversations)} held-out prompts greedily{on}")
+    if main:
+        write(f"exact match {when}: answering {len(conversations)} held-out prompts greedily{on}")
     score, samples = exact_match_on_conversations(
         trainer.model,
         tokenizer,
@@ -369,6 +372,8 @@ def exact_match(trainer, tokenizer, conversations, dpo_args, when: str, engine=N
         max_new_tokens=dpo_args.max_new_tokens,
         engine=engine,
     )
+    if not main:
+        return None
     tasks = [c.get("task") or "all" for c in conversations]
     rows = [
         {"prompt": p[-1]["content"], "reference": r, "answer": a, "task": t}

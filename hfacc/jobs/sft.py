@@ -31,7 +31,7 @@ from ..models.loading import ModelArguments, load_model_and_tokenizer
 from ..runtime.config import ConfigError, get_default_config
 from ..training.arguments import TokenWeightedArguments
 from ..training.checkpoint import check_run_before_loading, get_data_settings
-from .console import describe_run, run_recipe, setup_console, use_console, write
+from .console import answers_on_every_rank, describe_run, run_recipe, setup_console, use_console, write
 from .report import save_loss_curve, write_json
 
 # The shipped configs live with the recipe; this module runs from a clone of the repository or an editable install.
@@ -115,23 +115,25 @@ def main(sft_args: SFTArguments, model_args: ModelArguments, data_args: DataArgu
     if answering and sft_args.use_vllm:  # every process builds its engine together; the main one answers
         policy = trainer.accelerator.unwrap_model(trainer.model)
         engine = build_generation_engine(sft_args, policy, tokenizer, trainer.accelerator, seed=args.seed)
+    if answering and (answers_on_every_rank(trainer, engine) or trainer.is_world_process_zero()):
+        count = min(sft_args.num_exact_match_examples, len(raw_eval))
+        on = " (vLLM)" if engine is not None else ""
+        if trainer.is_world_process_zero():
+            write(f"exact match: answering {count} held-out prompts greedily{on}")
+        if is_vision_processor(tokenizer):  # with each prompt's images
+            score, samples = exact_match_on_vision_rows(
+                trainer.model, tokenizer, raw_eval.select(range(count)), max_new_tokens=sft_args.max_new_tokens
+            )
+        else:
+            score, samples = exact_match_on_conversations(
+                trainer.model,
+                tokenizer,
+                raw_eval["messages"][:count],
+                max_new_tokens=sft_args.max_new_tokens,
+                engine=engine,
+            )
     if trainer.is_world_process_zero():
         if answering:
-            count = min(sft_args.num_exact_match_examples, len(raw_eval))
-            on = " (vLLM)" if engine is not None else ""
-            write(f"exact match: answering {count} held-out prompts greedily{on}")
-            if is_vision_processor(tokenizer):  # with each prompt's images
-                score, samples = exact_match_on_vision_rows(
-                    trainer.model, tokenizer, raw_eval.select(range(count)), max_new_tokens=sft_args.max_new_tokens
-                )
-            else:
-                score, samples = exact_match_on_conversations(
-                    trainer.model,
-                    tokenizer,
-                    raw_eval["messages"][:count],
-                    max_new_tokens=sft_args.max_new_tokens,
-                    engine=engine,
-                )
             metrics["exact_match"] = score
             metrics["samples"] = [
                 {

@@ -18,6 +18,7 @@ How it differs from the stock Trainer, hook by hook:
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Iterator, Mapping
 from itertools import islice
@@ -457,6 +458,11 @@ class TokenWeightedTrainer(Trainer):
         # holds the whole model: it evaluates as it is, and train() then prepares it as if nothing had.
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         unprepared = self.is_deepspeed_enabled and self.deepspeed is None and plugin and plugin.zero_stage < 3
+        # Under ZeRO-3 stock prepares an inference engine and deletes the optimizer and scheduler from the DeepSpeed
+        # config "in case the training config is re-used for inference": train() needs them back (a config's own
+        # optimizer would otherwise meet the Trainer's). train() then replaces that engine (_drop_evaluation_engine).
+        inference = self.is_deepspeed_enabled and self.deepspeed is None and plugin and plugin.zero_stage == 3
+        kept = copy.deepcopy(plugin.hf_ds_config.config) if inference and hasattr(plugin, "hf_ds_config") else None
         try:
             if unprepared:
                 self.is_deepspeed_enabled = False
@@ -464,6 +470,9 @@ class TokenWeightedTrainer(Trainer):
                 dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
             )
         finally:
+            if kept is not None:
+                plugin.hf_ds_config.config = kept
+                self._evaluation_engine = self.deepspeed  # made for this evaluation: train() replaces it
             self._eval_needs_logits = True
             if unprepared:
                 self.is_deepspeed_enabled = True
@@ -474,6 +483,21 @@ class TokenWeightedTrainer(Trainer):
         if totals is not None:
             output.metrics.update(self.objective.metric_logs(totals, prefix=f"{metric_key_prefix}_"))
         return output
+
+    def _drop_evaluation_engine(self) -> None:
+        """Under ZeRO-3, ``evaluate()`` before ``train()`` leaves stock with the inference engine it prepared (no
+        optimizer), and ``train()`` then trains through it: its first step has no engine to call backward on
+        ("'NoneType' object has no attribute 'backward'"; `hfacc sft` with accelerate_configs/deepspeed_zero3.yaml
+        stopped there). Release that engine (its ZeRO-3 hooks) so ``train()`` prepares the model with its optimizer,
+        as if nothing had evaluated; the parameters stay partitioned as they were."""
+        engine = getattr(self, "_evaluation_engine", None)
+        self._evaluation_engine = None
+        if engine is None or engine is not self.deepspeed:
+            return
+        engine.destroy()
+        self.accelerator._models = [m for m in self.accelerator._models if m is not engine]
+        self.deepspeed = None
+        self.model_wrapped = self.model
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """``Trainer.train``, after hfacc's checks of the checkpoint and the output directory (before training).
@@ -512,6 +536,7 @@ class TokenWeightedTrainer(Trainer):
         # A stream resumes from the position saved in the checkpoint, not by reading and dropping every micro-batch
         # trained before (the Trainer's skip_first_batches).
         self.args.ignore_data_skip = skip or (streaming and resume_from_checkpoint is not None)
+        self._drop_evaluation_engine()
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
