@@ -463,6 +463,10 @@ class TokenWeightedTrainer(Trainer):
         # optimizer would otherwise meet the Trainer's). train() then replaces that engine (_drop_evaluation_engine).
         inference = self.is_deepspeed_enabled and self.deepspeed is None and plugin and plugin.zero_stage == 3
         kept = copy.deepcopy(plugin.hf_ds_config.config) if inference and hasattr(plugin, "hf_ds_config") else None
+        # Stock subtracts the time it took to prepare the model from the evaluation's runtime, and reports it, in
+        # every evaluation after the one that prepared it too: later ones logged a negative runtime ("-0.4 s" after a
+        # ZeRO-3 evaluation before training). Only an evaluation that prepares the model now (stock sets it anew) does.
+        self.__dict__.pop("model_preparation_time", None)
         try:
             if unprepared:
                 self.is_deepspeed_enabled = False
