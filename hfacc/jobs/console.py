@@ -155,19 +155,13 @@ def end_process_group() -> None:
     A gloo rank can abort at interpreter exit after its work is done ("terminate called without an active
     exception", SIGABRT), and torchrun then reports a job that trained to its end as failed: gloo's worker threads
     free the last collective's tensors after the rank moved on, and need the GIL to do it (hfacc/runtime/shutdown.py).
-    Destroying the group joins those threads where nothing else holds it; the wait covers the rest (``import hfacc``
-    also registers it at exit, for scripts that end without this function).
+    Destroying the group joins those threads where nothing else holds it; where something does (a prepared model),
+    the wait that ``import hfacc`` registers at exit covers them.
     """
-    import gc
-
     import torch.distributed as dist
-
-    from ..runtime.shutdown import wait_for_collective_threads
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    gc.collect()  # a group nothing holds any more is destroyed here, its threads joined
-    wait_for_collective_threads()  # those something still holds (a prepared model): hfacc/runtime/shutdown.py
 
 
 def _exception_chain(err: BaseException) -> Iterator[BaseException]:

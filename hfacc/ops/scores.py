@@ -80,11 +80,15 @@ def get_last_token_index(batch: Mapping[str, Any], shape: torch.Size, pad_token_
             _refuse_reading_padding(ids, mask, last, pad_token_id)
         return torch.arange(rows, device=columns.device) * width + last
     if torch.is_tensor(mask) and mask.dim() == 2:
-        columns = columns.to(mask.device)
-        last = (mask.bool() * (columns + 1)).argmax(-1)  # the rightmost real position of each row
-        return torch.arange(rows, device=mask.device) * width + last
+        return torch.arange(rows, device=mask.device) * width + _last_attended(mask)
     device = next((v.device for v in batch.values() if torch.is_tensor(v)), None)
     return torch.arange(rows, device=device) * width + width - 1
+
+
+def _last_attended(mask: torch.Tensor) -> torch.Tensor:
+    """``[rows]``: the rightmost position of each row whose ``attention_mask`` is 1 (right or left padding)."""
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    return (mask.bool() * (columns + 1)).argmax(-1)
 
 
 def _refuse_reading_padding(ids: torch.Tensor, mask: torch.Tensor, last: torch.Tensor, pad_token_id: int) -> None:
@@ -92,9 +96,7 @@ def _refuse_reading_padding(ids: torch.Tensor, mask: torch.Tensor, last: torch.T
     is not the config's ``pad_token_id``. The model would score a padding position (what the collator's width
     decides, not the sequence), and a padding-free layout would read the sequence's last token instead: two layouts,
     two trainings, no error (found: a collator padding with the tokenizer's pad id beside a config with another)."""
-    columns = torch.arange(mask.shape[1], device=mask.device)
-    last_real = (mask.bool() * (columns + 1)).argmax(-1)  # the rightmost attended position of each row
-    reads_padding = (last.to(mask.device) > last_real) & mask.bool().any(-1)
+    reads_padding = (last.to(mask.device) > _last_attended(mask)) & mask.bool().any(-1)
     if bool(reads_padding.any()):
         row = int(reads_padding.nonzero()[0, 0])
         used = int(ids[row, int(last[row])])

@@ -457,12 +457,12 @@ class TokenWeightedTrainer(Trainer):
         # ZeRO-3 only ("ZeRO inference only makes sense with ZeRO Stage 3"). Until train() prepares it, every rank
         # holds the whole model: it evaluates as it is, and train() then prepares it as if nothing had.
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        unprepared = self.is_deepspeed_enabled and self.deepspeed is None and plugin and plugin.zero_stage < 3
+        stage = plugin.zero_stage if self.is_deepspeed_enabled and self.deepspeed is None and plugin else None
+        unprepared = stage is not None and stage < 3
         # Under ZeRO-3 stock prepares an inference engine and deletes the optimizer and scheduler from the DeepSpeed
         # config "in case the training config is re-used for inference": train() needs them back (a config's own
         # optimizer would otherwise meet the Trainer's). train() then replaces that engine (_drop_evaluation_engine).
-        inference = self.is_deepspeed_enabled and self.deepspeed is None and plugin and plugin.zero_stage == 3
-        kept = copy.deepcopy(plugin.hf_ds_config.config) if inference and hasattr(plugin, "hf_ds_config") else None
+        kept = copy.deepcopy(plugin.hf_ds_config.config) if stage == 3 and hasattr(plugin, "hf_ds_config") else None
         # Stock subtracts the time it took to prepare the model from the evaluation's runtime, and reports it, in
         # every evaluation after the one that prepared it too: later ones logged a negative runtime ("-0.4 s" after a
         # ZeRO-3 evaluation before training). Only an evaluation that prepares the model now (stock sets it anew) does.
